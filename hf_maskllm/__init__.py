@@ -1,0 +1,27 @@
+"""hf_maskllm: learnable N:M sparsity masks (MaskLLM) for Hugging Face transformers.
+
+Public API::
+
+    from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, check_nm
+"""
+
+__version__ = "0.1.0"  # before the imports: submodules read it
+
+from .adapters import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskModel, get_mask_model
+from .check import NMReport, check_nm
+from .errors import MaskLLMError
+from .sparse import SparseLinear, save_compressed  # registers the compressed format with transformers
+
+__all__ = [
+    "MaskAnnealCallback",
+    "MaskConfig",
+    "MaskLLMError",
+    "MaskModel",
+    "MaskedLinear",
+    "NMReport",
+    "SparseLinear",
+    "__version__",
+    "check_nm",
+    "get_mask_model",
+    "save_compressed",
+]

@@ -1,0 +1,8 @@
+"""Learnable N:M mask adapters (PEFT-style): config, layer, model, callback."""
+
+from .callback import MaskAnnealCallback
+from .config import MaskConfig
+from .layer import MaskedLinear
+from .model import MaskModel, get_mask_model
+
+__all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskedLinear", "get_mask_model"]

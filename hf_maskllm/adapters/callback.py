@@ -1,0 +1,150 @@
+"""``MaskAnnealCallback``: anneals tau and kappa, decays the regulariser, logs mask statistics.
+
+Everything it sets is a function of ``state.global_step / state.max_steps``, so a run resumed
+with ``resume_from_checkpoint`` continues on exactly the same schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..errors import MaskLLMError
+from .model import MaskModel
+from .sampling import max_probability
+from .schedules import schedule_value
+
+__all__ = ["MaskAnnealCallback", "find_mask_model"]
+
+
+def find_mask_model(model: nn.Module | None) -> MaskModel:
+    """The :class:`MaskModel` inside ``model`` (which may be wrapped by DDP, FSDP, accelerate, ...)."""
+    if isinstance(model, MaskModel):
+        return model
+    if model is not None:
+        for module in model.modules():
+            if isinstance(module, MaskModel):
+                return module
+    raise MaskLLMError(
+        "MaskAnnealCallback found no MaskModel in the Trainer's model; pass `get_mask_model(model, MaskConfig())` "
+        "as Trainer(model=...)."
+    )
+
+
+class MaskAnnealCallback(TrainerCallback, ExportableState):
+    """Anneal the Gumbel temperature ``tau`` and the logit scale ``kappa`` (schedules from the MaskConfig).
+
+    Each optimizer step, with ``t = global_step / max_steps``: ``tau(t)``, ``kappa(t)`` and the sparse
+    weight regulariser ``lambda * (1 - t)``. Logged with the Trainer's logs: ``tau``, ``kappa``,
+    ``mask_flip_rate`` (fraction of masked weights whose hard mask changed, mean per step since the
+    last log) and ``mask_max_prob`` (mean over groups of ``max softmax(kappa * logits)``).
+
+    Args:
+        log_mask_stats: Compute flip rate and max probability (one argmax over all logits per step).
+    """
+
+    def __init__(self, log_mask_stats: bool = True) -> None:
+        self.log_mask_stats = log_mask_stats
+        self.tau: float | None = None
+        self.kappa: float | None = None
+        self.flip_rate_sum = 0.0
+        self.flip_rate_count = 0
+        self.last_flip_rate: float | None = None
+        self.last_max_prob: float | None = None
+        self._previous: dict[str, torch.Tensor] = {}
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "args": {"log_mask_stats": self.log_mask_stats},
+            "attributes": {
+                "flip_rate_sum": self.flip_rate_sum,
+                "flip_rate_count": self.flip_rate_count,
+                "last_flip_rate": self.last_flip_rate,
+                "last_max_prob": self.last_max_prob,
+            },
+        }
+
+    # ------------------------------------------------------------------ schedule
+    def _apply(self, mask_model: MaskModel, global_step: int, max_steps: int) -> None:
+        cfg = mask_model.mask_config
+        progress = global_step / max_steps if max_steps and max_steps > 0 else 0.0
+        self.tau = schedule_value(cfg.tau[0], cfg.tau[1], progress, cfg.tau_schedule)
+        self.kappa = schedule_value(cfg.kappa[0], cfg.kappa[1], progress, cfg.kappa_schedule)
+        mask_model.set_schedule_values(self.tau, self.kappa)
+        mask_model.sparse_reg_weight = cfg.sparse_reg * max(0.0, 1.0 - progress)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        mask_model = find_mask_model(model)
+        mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps))
+        self._apply(mask_model, state.global_step, state.max_steps)
+        if self.log_mask_stats:
+            self._previous = {k: v.clone() for k, v in mask_model.hard_indices().items()}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._apply(find_mask_model(model), state.global_step, state.max_steps)
+
+    # ------------------------------------------------------------------ statistics
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.log_mask_stats:
+            return
+        mask_model = find_mask_model(model)
+        cfg = mask_model.mask_config
+        layers = mask_model.masked_layers()
+        changed, total, prob_sum, groups = 0, 0, 0.0, 0
+        from ..patterns import candidate_patterns
+
+        for name, layer in layers.items():
+            current = layer.mask_logits.argmax(dim=-1)
+            previous = self._previous.get(name)
+            if previous is not None and previous.shape == current.shape:
+                cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool, device=current.device)
+                changed += int((cand[previous] != cand[current]).sum())
+                total += current.numel() * cfg.m
+            self._previous[name] = current
+            prob_sum += (
+                float(max_probability(layer.mask_logits, self.kappa or cfg.kappa[0])) * current.numel()
+            )
+            groups += current.numel()
+        if total:
+            self.last_flip_rate = changed / total
+            self.flip_rate_sum += self.last_flip_rate
+            self.flip_rate_count += 1
+        self.last_max_prob = prob_sum / max(groups, 1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        extra: dict[str, float] = {}
+        if self.tau is not None:
+            extra["tau"] = round(self.tau, 6)
+            extra["kappa"] = round(self.kappa, 4)
+        if self.flip_rate_count:
+            extra["mask_flip_rate"] = self.flip_rate_sum / self.flip_rate_count
+            self.flip_rate_sum, self.flip_rate_count = 0.0, 0
+        if self.last_max_prob is not None:
+            extra["mask_max_prob"] = self.last_max_prob
+        logs.update(extra)
+        # Trainer appended its record to log_history before calling callbacks: keep them consistent.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        mask_model = find_mask_model(model)
+        summary = dict(mask_model.training_summary)
+        summary.update(
+            {
+                "optimizer_steps": int(state.global_step),
+                "final_tau": self.tau,
+                "final_kappa": self.kappa,
+            }
+        )
+        if self.last_flip_rate is not None:
+            summary["final_flip_rate"] = round(self.last_flip_rate, 6)
+        if self.last_max_prob is not None:
+            summary["final_max_prob"] = round(self.last_max_prob, 6)
+        mask_model.training_summary = summary

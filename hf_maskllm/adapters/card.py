@@ -1,0 +1,57 @@
+"""Model cards (README.md) for saved masks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["mask_model_card"]
+
+
+def mask_model_card(
+    base_model: str | None,
+    n: int,
+    m: int,
+    num_layers: int,
+    num_weights: int,
+    bits_per_weight: float,
+    targets: str | list[str],
+    prior: str | None,
+    summary: dict[str, Any],
+) -> str:
+    """Markdown with YAML front matter describing a learned N:M mask."""
+    lines = ["---", "library_name: hf_maskllm"]
+    if base_model:
+        lines.append(f"base_model: {base_model}")
+    lines += ["tags:", "- maskllm", "- sparsity", f"- {n}:{m}-sparsity", "---", ""]
+    lines += [
+        f"# {n}:{m} sparsity mask{f' for {base_model}' if base_model else ''}",
+        "",
+        "A learned semi-structured sparsity mask made with [hf_maskllm](https://github.com/) (MaskLLM:",
+        f"learnable {n}:{m} masks sampled with Gumbel softmax, the model's weights frozen).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | {base_model or 'unknown'} |",
+        f"| pattern | {n}:{m} (keep {n} of every {m} consecutive input weights) |",
+        f"| masked layers | {num_layers} ({num_weights:,} weights) |",
+        f"| targets | `{targets}` |",
+        f"| prior | {prior or 'none (random logits)'} |",
+        f"| storage | {bits_per_weight:.3f} bits per masked weight |",
+    ]
+    for key in sorted(summary):
+        lines.append(f"| {key.replace('_', ' ')} | {summary[key]} |")
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from hf_maskllm import MaskModel",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{base_model or "<base model>"}")',
+        'mask_model = MaskModel.from_pretrained(base, "<this folder or repo id>")',
+        "sparse = mask_model.merge_and_unload()  # plain transformers model, exactly N:M",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""``MaskConfig``: everything that defines a MaskLLM run, saved as ``mask_config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, MaskFileError
+from ..patterns import check_nm_args, num_candidates
+from ..serialization import load_json, resolve_folder, save_json
+
+__all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MaskConfig"]
+
+CONFIG_NAME = "mask_config.json"
+FORMAT_VERSION = 1
+SCHEDULES = ("linear", "cosine", "exponential")
+LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+PRIOR_METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+@dataclass
+class MaskConfig:
+    """Configuration of learnable N:M masks (MaskLLM).
+
+    Args:
+        n: Weights kept in every group of ``m`` consecutive inputs (default 2).
+        m: Group size, at most 8 (default 4). Candidates are all ``C(m, n)`` patterns in
+            ``itertools.combinations`` order.
+        target_modules: Which layers get a mask: ``"all-linear"`` (every Linear / GPT-2 Conv1D
+            except the output embedding), a list of name suffixes, or a regex (full match).
+        exclude_modules: Layers never masked: list of name suffixes or a regex (full match).
+        tau: Gumbel-softmax temperature ``(start, end)``, annealed over training (4.0 -> 0.05).
+        kappa: Logit scale ``(start, end)``; the sampled distribution is ``softmax(kappa * logits)``.
+        tau_schedule: ``"linear"`` (the paper), ``"cosine"`` or ``"exponential"``.
+        kappa_schedule: Same choices, for kappa.
+        hard: Straight-through hard samples instead of soft ones (the paper found soft better).
+        prior: One-shot prior: ``"magnitude"``, ``"wanda"``, ``"sparsegpt"``, a folder or Hub repo id
+            of a saved mask (transfer learning), or ``None`` for random logits.
+        prior_strength: ``alpha`` of the prior rule ``logits += alpha * std * (overlap - n/2)``.
+        calibration_samples: Sequences used by data-driven priors.
+        calibration_seqlen: Tokens per calibration sequence.
+        sparse_reg: ``lambda`` of the sparse weight regulariser, decaying linearly to 0.
+        init_std: Std of the normal initialisation of the logits.
+        logits_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        seed: Seed of the logit initialisation.
+        strict: Raise (instead of warn and skip) when a target's input size is not divisible by ``m``.
+        base_model_name_or_path: Filled in by ``get_mask_model``; recorded in saved masks.
+    """
+
+    n: int = field(default=2, metadata={"help": "Weights kept per group of m."})
+    m: int = field(default=4, metadata={"help": "Group size (consecutive inputs), at most 8."})
+    target_modules: str | list[str] = field(
+        default="all-linear",
+        metadata={"help": "'all-linear', a list of name suffixes, or a full-match regex."},
+    )
+    exclude_modules: str | list[str] | None = field(
+        default=None, metadata={"help": "Suffixes or full-match regex of layers never masked."}
+    )
+    tau: tuple[float, float] = field(default=(4.0, 0.05), metadata={"help": "Gumbel temperature start, end."})
+    kappa: tuple[float, float] = field(default=(100.0, 500.0), metadata={"help": "Logit scale start, end."})
+    tau_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
+    kappa_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
+    hard: bool = field(default=False, metadata={"help": "Straight-through hard Gumbel samples."})
+    prior: str | None = field(
+        default=None, metadata={"help": "magnitude | wanda | sparsegpt | saved mask folder / repo id | None"}
+    )
+    prior_strength: float = field(default=3.0, metadata={"help": "alpha of the prior rule."})
+    calibration_samples: int = field(
+        default=128, metadata={"help": "Sequences for wanda / sparsegpt priors."}
+    )
+    calibration_seqlen: int = field(default=512, metadata={"help": "Tokens per calibration sequence."})
+    sparse_reg: float = field(
+        default=1e-5, metadata={"help": "Sparse weight regulariser lambda (decays to 0)."}
+    )
+    init_std: float = field(default=0.01, metadata={"help": "Std of the logits' normal init."})
+    logits_dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    seed: int = field(default=0, metadata={"help": "Seed of the logit initialisation."})
+    strict: bool = field(default=False, metadata={"help": "Error instead of skip for non-divisible layers."})
+    base_model_name_or_path: str | None = field(default=None, metadata={"help": "Recorded base model."})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tau, list):
+            self.tau = tuple(self.tau)
+        if isinstance(self.kappa, list):
+            self.kappa = tuple(self.kappa)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid field and how to fix it."""
+        check_nm_args(self.n, self.m)
+        _check_targets("target_modules", self.target_modules, allow_none=False)
+        _check_targets("exclude_modules", self.exclude_modules, allow_none=True)
+        for name in ("tau", "kappa"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, tuple)
+                or len(value) != 2
+                or not all(_is_number(v) and v > 0 and v == v and v != float("inf") for v in value)
+            ):
+                raise ConfigError(
+                    f"`{name}` must be a pair of finite positive numbers (start, end), got {value!r}."
+                )
+        for name in ("tau_schedule", "kappa_schedule"):
+            if getattr(self, name) not in SCHEDULES:
+                raise ConfigError(f"`{name}` must be one of {SCHEDULES}, got {getattr(self, name)!r}.")
+        if not isinstance(self.hard, bool):
+            raise ConfigError(f"`hard` must be True or False, got {self.hard!r}.")
+        if not isinstance(self.strict, bool):
+            raise ConfigError(f"`strict` must be True or False, got {self.strict!r}.")
+        if self.prior is not None and (not isinstance(self.prior, str) or not self.prior):
+            raise ConfigError(
+                f"`prior` must be None, one of {PRIOR_METHODS}, or a saved mask folder / Hub repo id; got {self.prior!r}."
+            )
+        for name, low in (("prior_strength", 0.0), ("sparse_reg", 0.0)):
+            value = getattr(self, name)
+            if not _is_number(value) or not (value >= low) or value == float("inf"):
+                raise ConfigError(f"`{name}` must be a finite number >= {low}, got {value!r}.")
+        if not _is_number(self.init_std) or not (0 < self.init_std < float("inf")):
+            raise ConfigError(f"`init_std` must be a finite number > 0, got {self.init_std!r}.")
+        for name in ("calibration_samples", "calibration_seqlen"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.logits_dtype not in LOGITS_DTYPES:
+            raise ConfigError(f"`logits_dtype` must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"`seed` must be an integer, got {self.seed!r}.")
+        if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
+            raise ConfigError(
+                f"`base_model_name_or_path` must be a string or None, got {self.base_model_name_or_path!r}."
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        """``C(m, n)``: the number of candidate patterns per group."""
+        return num_candidates(self.n, self.m)
+
+    @property
+    def prior_is_method(self) -> bool:
+        """True when ``prior`` names a one-shot method rather than a saved mask."""
+        return self.prior in PRIOR_METHODS
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of all fields."""
+        d = dataclasses.asdict(self)
+        d["tau"], d["kappa"] = list(self.tau), list(self.kappa)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], require_all: bool = False) -> MaskConfig:
+        """Build a config from a dict; unknown fields (or, with ``require_all``, missing ones) are errors."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"A MaskConfig must be built from a dict, got {type(data).__name__}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in ("format_version", "hf_maskllm_version")}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"Unknown MaskConfig field(s) {unknown}; valid fields are {sorted(names)}.")
+        if require_all:
+            missing = sorted(names - set(data))
+            if missing:
+                raise ConfigError(
+                    f"MaskConfig is missing field(s) {missing}; the file is incomplete, save it again."
+                )
+        try:
+            return cls(**data)
+        except TypeError as e:  # e.g. a list where a number is expected makes a comparison fail
+            raise ConfigError(f"Invalid MaskConfig value: {e}") from None
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write ``mask_config.json`` (atomically) into ``save_directory``."""
+        from .. import __version__
+
+        data = self.to_dict()
+        data["format_version"] = FORMAT_VERSION
+        data["hf_maskllm_version"] = __version__
+        save_json(data, Path(save_directory) / CONFIG_NAME)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None) -> MaskConfig:
+        """Read ``mask_config.json`` from a folder or a Hub repo id."""
+        folder = resolve_folder(
+            name_or_path, [CONFIG_NAME], error=MaskFileError, what="mask folder", revision=revision
+        )
+        data = load_json(folder / CONFIG_NAME, error=MaskFileError, what="mask config")
+        if not isinstance(data, dict):
+            raise MaskFileError(f"{folder / CONFIG_NAME} must hold a JSON object, got {type(data).__name__}.")
+        version = data.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise MaskFileError(
+                f"{folder / CONFIG_NAME} has no integer `format_version`; it is not an hf_maskllm mask."
+            )
+        if version > FORMAT_VERSION:
+            raise MaskFileError(
+                f"{folder / CONFIG_NAME} uses mask format version {version}, newer than this hf_maskllm "
+                f"supports ({FORMAT_VERSION}); upgrade with `pip install -U hf_maskllm`."
+            )
+        try:
+            return cls.from_dict(data, require_all=True)
+        except ConfigError as e:
+            raise MaskFileError(f"{folder / CONFIG_NAME}: {e}") from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_targets(name: str, value: object, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, str):
+        if not value:
+            raise ConfigError(f"`{name}` must not be an empty string.")
+        if value != "all-linear":
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ConfigError(f"`{name}` {value!r} is not a valid regular expression: {e}.") from None
+        return
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return
+    raise ConfigError(
+        f"`{name}` must be 'all-linear', a non-empty list of module-name suffixes, or a regex string; got {value!r}."
+    )

@@ -1,0 +1,97 @@
+"""Which layers of a model get a mask: matching ``target_modules`` / ``exclude_modules``.
+
+PEFT's conventions: a list matches name suffixes (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``),
+a string is a regex that must match the whole name, and ``"all-linear"`` means every Linear / GPT-2
+Conv1D except the output embedding.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+from torch import nn
+
+from ..errors import TargetError
+from .layer import dense_weight_view, is_conv1d
+
+__all__ = ["find_targets", "is_maskable"]
+
+
+def is_maskable(module: nn.Module) -> bool:
+    """The supported base layers: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _matches(name: str, spec: str | list[str] | tuple[str, ...]) -> bool:
+    if isinstance(spec, str):
+        return re.fullmatch(spec, name) is not None
+    return any(name == s or name.endswith("." + s) for s in spec)
+
+
+def _output_embedding_names(model: nn.Module) -> set[str]:
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    if out is None:
+        return set()
+    return {name for name, module in model.named_modules() if module is out}
+
+
+def find_targets(
+    model: nn.Module,
+    target_modules: str | list[str],
+    exclude_modules: str | list[str] | None,
+    m: int,
+    strict: bool = False,
+) -> list[str]:
+    """Names of the modules to mask, in model order.
+
+    Raises :class:`TargetError` if nothing matches, if an explicitly named module is not a
+    supported layer type, or (``strict``) if a target's input size is not divisible by ``m``;
+    without ``strict`` such a layer is skipped with a warning naming it.
+    """
+    all_linear = target_modules == "all-linear"
+    skip = _output_embedding_names(model) if all_linear else set()
+    names: list[str] = []
+    unsupported: list[str] = []
+    indivisible: list[str] = []
+    for name, module in model.named_modules():
+        if not name or name in skip:
+            continue
+        if exclude_modules is not None and _matches(name, exclude_modules):
+            continue
+        if all_linear:
+            if not is_maskable(module):
+                continue
+        elif not _matches(name, target_modules):
+            continue
+        if not is_maskable(module):
+            unsupported.append(f"{name} ({type(module).__name__})")
+            continue
+        if dense_weight_view(module).shape[1] % m:
+            indivisible.append(f"{name} (in_features={dense_weight_view(module).shape[1]})")
+            continue
+        names.append(name)
+    if unsupported:
+        raise TargetError(
+            f"target_modules matched modules that cannot be masked: {unsupported[:5]}"
+            f"{' ...' if len(unsupported) > 5 else ''}. Supported layer types: nn.Linear, transformers Conv1D. "
+            "Narrow target_modules (e.g. ['q_proj', 'v_proj']) or add them to exclude_modules."
+        )
+    if indivisible:
+        message = (
+            f"{len(indivisible)} target layer(s) have an input size not divisible by m={m}: {indivisible[:5]}"
+            f"{' ...' if len(indivisible) > 5 else ''}."
+        )
+        if strict:
+            raise TargetError(
+                message + " Exclude them with exclude_modules, or use strict=False to skip them."
+            )
+        warnings.warn(message + " They are left dense.", stacklevel=3)
+    if not names:
+        raise TargetError(
+            f"target_modules={target_modules!r} (exclude_modules={exclude_modules!r}) matched no maskable layer "
+            f"of {type(model).__name__}. Use 'all-linear' or names from model.named_modules(), "
+            "e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+        )
+    return names

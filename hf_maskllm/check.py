@@ -1,0 +1,74 @@
+"""``check_nm``: verify that a model's weights are N:M sparse, with a per-layer report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .adapters.layer import MaskedLinear, dense_weight_view
+from .adapters.targets import find_targets
+from .errors import NMViolationError
+from .patterns import check_nm_args, count_nm_violations
+
+__all__ = ["NMReport", "check_nm"]
+
+
+@dataclass
+class NMReport:
+    """Result of :func:`check_nm`: groups and violating groups per checked layer."""
+
+    n: int
+    m: int
+    layers: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (groups, violations)
+
+    @property
+    def violations(self) -> dict[str, int]:
+        """Layers with at least one group holding more than ``n`` nonzeros, and how many such groups."""
+        return {name: bad for name, (_, bad) in self.layers.items() if bad}
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def __str__(self) -> str:
+        total = sum(g for g, _ in self.layers.values())
+        bad = sum(self.violations.values())
+        head = (
+            f"{self.n}:{self.m} check: {len(self.layers)} layers, {total:,} groups, {bad:,} violating groups"
+        )
+        return "\n".join(
+            [head, *(f"  {name}: {v:,} violating groups" for name, v in self.violations.items())]
+        )
+
+
+def check_nm(
+    model: nn.Module,
+    n: int = 2,
+    m: int = 4,
+    target_modules: str | list[str] = "all-linear",
+    exclude_modules: str | list[str] | None = None,
+    raise_on_violation: bool = True,
+) -> NMReport:
+    """Check every targeted weight (default: all linears but the output embedding) for the N:M pattern.
+
+    A group violates N:M when more than ``n`` of its ``m`` consecutive input weights are nonzero.
+    Raises :class:`NMViolationError` listing the offending layers unless ``raise_on_violation=False``;
+    returns the :class:`NMReport` either way it completes.
+    """
+    check_nm_args(n, m)
+    if any(isinstance(module, MaskedLinear) for module in model.modules()):
+        raise NMViolationError(
+            "check_nm needs a merged model: call mask_model.merge_and_unload() first (masked layers hold dense weights)."
+        )
+    report = NMReport(n, m)
+    for name in find_targets(model, target_modules, exclude_modules, m, strict=False):
+        weight = dense_weight_view(model.get_submodule(name)).detach()
+        report.layers[name] = (weight.numel() // m, count_nm_violations(weight, n, m))
+    if raise_on_violation and not report.ok:
+        raise NMViolationError(
+            f"{len(report.violations)} layer(s) are not {n}:{m} sparse: "
+            + ", ".join(f"{k} ({v} groups)" for k, v in list(report.violations.items())[:5])
+            + ". Merge a mask (merge_and_unload) or prune them before exporting."
+        )
+    return report

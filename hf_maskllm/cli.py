@@ -1,0 +1,179 @@
+"""Command line: ``hf-maskllm learn`` (also ``python -m hf_maskllm``).
+
+The main job: load a model (default: the embedded real SmolLM2-135M), measure dense perplexity,
+build a one-shot prior mask, learn the 2:4 mask with a short Trainer run, print a perplexity
+table (dense / prior / learned on held-out Wikipedia and news), save the mask and the merged
+compressed model, and generate a sample from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hf-maskllm", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command")
+    learn = sub.add_parser("learn", help="learn an N:M mask and report perplexity (the default command)")
+    learn.add_argument(
+        "--model", default="smollm2", help="'smollm2' (embedded, offline) or a folder / Hub id"
+    )
+    learn.add_argument(
+        "--prior", default="sparsegpt", help="magnitude | wanda | sparsegpt | none | saved mask"
+    )
+    learn.add_argument("--n", type=int, default=2)
+    learn.add_argument("--m", type=int, default=4)
+    learn.add_argument("--steps", type=int, default=60, help="optimizer steps of mask learning")
+    learn.add_argument("--lr", type=float, default=5e-3, help="peak learning rate of the logits")
+    learn.add_argument("--batch-size", type=int, default=2)
+    learn.add_argument("--grad-accum", type=int, default=1)
+    learn.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence")
+    learn.add_argument("--calib-samples", type=int, default=32, help="calibration sequences for the prior")
+    learn.add_argument("--calib-seqlen", type=int, default=512)
+    learn.add_argument("--eval-windows", type=int, default=16, help="held-out windows per corpus")
+    learn.add_argument("--eval-seqlen", type=int, default=512)
+    learn.add_argument(
+        "--train-data", default="wikipedia:train", help="texts to learn on (see hf_maskllm.data)"
+    )
+    learn.add_argument("--output", default="outputs/smollm2-2of4", help="where the mask and sparse model go")
+    learn.add_argument("--seed", type=int, default=0)
+    learn.add_argument("--no-merged", action="store_true", help="do not write the compressed sparse model")
+    return p
+
+
+def _load(name: str):
+    if name == "smollm2":
+        from .embedded import load_smollm2
+
+        return load_smollm2()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+
+
+def _ppl(model, tokenizer, args) -> dict[str, float]:
+    from .perplexity import evaluate_perplexity
+
+    return {
+        corpus: evaluate_perplexity(
+            model, tokenizer, f"{corpus}:heldout", seqlen=args.eval_seqlen, max_windows=args.eval_windows
+        )
+        for corpus in ("wikipedia", "news")
+    }
+
+
+def learn(args: argparse.Namespace) -> dict:
+    """Run the main job; returns the results it prints and saves."""
+    from . import MaskConfig, check_nm, get_mask_model
+    from .data import calibration_tokens, causal_lm_dataset
+    from .learn import learn_mask
+
+    torch.manual_seed(args.seed)
+    out = Path(args.output)
+    rows: list[tuple[str, dict[str, float], float]] = []
+    t0 = time.perf_counter()
+    model, tokenizer = _load(args.model)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
+
+    t0 = time.perf_counter()
+    rows.append(("dense", _ppl(model, tokenizer, args), time.perf_counter() - t0))
+
+    prior = None if args.prior == "none" else args.prior
+    config = MaskConfig(
+        n=args.n,
+        m=args.m,
+        prior=prior,
+        calibration_samples=args.calib_samples,
+        calibration_seqlen=args.calib_seqlen,
+        seed=args.seed,
+    )
+    t0 = time.perf_counter()
+    calibration = None
+    if prior in ("wanda", "sparsegpt"):
+        calibration = calibration_tokens(
+            "wikipedia:train",
+            tokenizer,
+            num_samples=args.calib_samples,
+            seqlen=args.calib_seqlen,
+            seed=args.seed,
+        )
+    mask_model = get_mask_model(model, config, calibration_data=calibration)
+    prior_time = time.perf_counter() - t0
+    mask_model.eval()
+    rows.append((f"prior ({args.prior})", _ppl(mask_model, tokenizer, args), prior_time))
+
+    train = causal_lm_dataset(args.train_data, tokenizer, seqlen=args.seqlen)
+    t0 = time.perf_counter()
+    trainer = learn_mask(
+        mask_model,
+        train,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        output_dir=str(out / "trainer"),
+        seed=args.seed,
+        logging_steps=max(1, args.steps // 10),
+    )
+    tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
+    rows.append((f"MaskLLM ({tokens:,} tokens)", _ppl(mask_model, tokenizer, args), time.perf_counter() - t0))
+
+    print(
+        f"\n{args.n}:{args.m} sparsity, perplexity on held-out text ({args.eval_windows} x {args.eval_seqlen} tokens)"
+    )
+    print(f"| {'method':<28} | {'wikipedia':>9} | {'news':>9} | {'time (s)':>8} |")
+    print(f"|{'-' * 30}|{'-' * 11}|{'-' * 11}|{'-' * 10}|")
+    for name, ppl, seconds in rows:
+        print(f"| {name:<28} | {ppl['wikipedia']:>9.2f} | {ppl['news']:>9.2f} | {seconds:>8.1f} |")
+
+    mask_model.training_summary.update(
+        {f"heldout_ppl_{k}": round(v, 3) for k, v in rows[-1][1].items()}
+        | {"training_tokens": tokens, "prior": args.prior}
+    )
+    mask_model.save_pretrained(out / "mask", save_logits=True)
+    print(f"\nmask saved to {out / 'mask'}")
+    if not args.no_merged:
+        mask_model.save_pretrained(out / "sparse-model", merged=True, tokenizer=tokenizer)
+        print(f"compressed {args.n}:{args.m} model saved to {out / 'sparse-model'}")
+    sparse = mask_model.merge_and_unload()
+    report = check_nm(sparse, args.n, args.m, target_modules=config.target_modules)
+    print(report.__str__().splitlines()[0])
+    prompt = "The history of the city"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        generated = sparse.generate(**inputs, max_new_tokens=30, do_sample=False)
+    sample = tokenizer.decode(generated[0], skip_special_tokens=True)
+    print(f"\nsample from the {args.n}:{args.m} model: {sample!r}")
+    results = {
+        "perplexity": {name: ppl for name, ppl, _ in rows},
+        "seconds": {name: s for name, _, s in rows},
+        "log_history": trainer.state.log_history,
+        "sample": sample,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``hf-maskllm``; without a command it runs ``learn``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("learn", "-h", "--help"):
+        argv = ["learn", *argv]
+    args = _parser().parse_args(argv)
+    if args.command == "learn":
+        learn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Text sources, token windows and calibration batches: the one data path of hf_maskllm.
+
+Every consumer (one-shot priors, mask learning, perplexity) goes through the same steps:
+:func:`load_texts` turns a source into a list of strings, :func:`tokenize_windows` joins them with
+``"\\n\\n"``, tokenizes once and cuts non-overlapping windows (the SparseGPT / MaskLLM protocol).
+
+Two real corpora ship offline inside the ``gensim`` wheel (:func:`load_embedded_texts`):
+
+- ``"wikipedia"``: the 100 articles longer than 2,000 characters (after ``filter_wiki``) of gensim's
+  shortened English Wikipedia dump, in file order (about 3.1 M characters).
+- ``"news"``: the 293 distinct articles of ``lee_background.cor`` (300 lines, one article per line,
+  7 repeated; first occurrences kept), in file order.
+
+Fixed split rule, by article index ``i`` in that order: ``i % 5 == 4`` is ``"heldout"`` (every fifth
+article: 20 Wikipedia / 58 news articles), the rest is ``"train"`` (used for calibration and mask
+learning); ``"all"`` is every article. Splits never change between runs or machines.
+"""
+
+from __future__ import annotations
+
+import bz2
+import functools
+import importlib.util
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import DataError
+
+__all__ = [
+    "EMBEDDED_CORPORA",
+    "EMBEDDED_SPLITS",
+    "calibration_tokens",
+    "causal_lm_dataset",
+    "load_embedded_texts",
+    "load_texts",
+    "tokenize_windows",
+]
+
+EMBEDDED_CORPORA = ("news", "wikipedia")
+EMBEDDED_SPLITS = ("all", "heldout", "train")
+HELDOUT_EVERY = 5  # article i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
+MIN_WIKI_CHARS = 2000
+
+_WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+_NEWS_FILE = "lee_background.cor"
+_FILE_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_EMBEDDED_NAME = re.compile(r"^(?P<corpus>[a-z]+)(?::(?P<split>[a-z]+))?$")
+
+
+def _gensim_test_data() -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "The embedded corpora ship inside the gensim wheel; install it with `pip install gensim`."
+        )
+    return Path(spec.submodule_search_locations[0]) / "test" / "test_data"
+
+
+@functools.lru_cache(maxsize=2)
+def _embedded_articles(corpus: str) -> tuple[str, ...]:
+    folder = _gensim_test_data()
+    if corpus == "news":
+        lines = (folder / _NEWS_FILE).read_text(encoding="utf-8").splitlines()
+        # the file repeats 7 articles; keep first occurrences so no text is in both train and heldout
+        return tuple(dict.fromkeys(line.strip() for line in lines if line.strip()))
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    articles = []
+    with bz2.open(folder / _WIKI_FILE, "rb") as f:
+        for _title, text, _pageid in extract_pages(f):
+            text = re.sub(r"\n{3,}", "\n\n", filter_wiki(text)).strip()
+            if len(text) > MIN_WIKI_CHARS:
+                articles.append(text)
+    return tuple(articles)
+
+
+def load_embedded_texts(corpus: str = "wikipedia", split: str = "all") -> list[str]:
+    """Articles of an embedded corpus (``"wikipedia"`` or ``"news"``) for ``split`` (``"train"``,
+    ``"heldout"`` or ``"all"``), in a fixed order; see the module docstring for the split rule."""
+    if corpus not in EMBEDDED_CORPORA:
+        raise DataError(f"Unknown embedded corpus {corpus!r}; choose one of {list(EMBEDDED_CORPORA)}.")
+    if split not in EMBEDDED_SPLITS:
+        raise DataError(
+            f"Unknown split {split!r} of corpus {corpus!r}; choose one of {list(EMBEDDED_SPLITS)}."
+        )
+    articles = _embedded_articles(corpus)
+    if split == "all":
+        return list(articles)
+    heldout = split == "heldout"
+    return [a for i, a in enumerate(articles) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout]
+
+
+def _load_files(paths: list[Path], text_column: str) -> list[str]:
+    kinds = {_FILE_KINDS.get(p.suffix.lower()) for p in paths}
+    if None in kinds:
+        bad = [str(p) for p in paths if p.suffix.lower() not in _FILE_KINDS]
+        raise DataError(f"Unsupported data file(s) {bad}; use {sorted(_FILE_KINDS)} files.")
+    if len(kinds) > 1:
+        raise DataError(
+            f"Data files {[str(p) for p in paths]} mix formats; pass files of one kind at a time."
+        )
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"Data file(s) {missing} do not exist.")
+    import datasets
+
+    kind = kinds.pop()
+    dataset = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train")
+    return _column(dataset, text_column, f"{kind} file(s) {[str(p) for p in paths]}")
+
+
+def _column(dataset: Any, text_column: str, what: str) -> list[str]:
+    if text_column not in dataset.column_names:
+        raise DataError(
+            f"{what} has no column {text_column!r} (columns: {dataset.column_names}); pass text_column=..."
+        )
+    return [t for t in dataset[text_column] if t is not None]
+
+
+def load_texts(source: Any, text_column: str = "text") -> list[str]:
+    """Turn a data source into a list of texts.
+
+    ``source`` may be: a list of strings; a ``datasets.Dataset``; a path or list of paths to
+    ``.txt`` (one text per line, as ``datasets``' text loader gives wikitext), ``.jsonl`` / ``.json``
+    or ``.parquet`` files; or an embedded corpus name ``"wikipedia"``, ``"news"``, optionally with a
+    split: ``"wikipedia:heldout"``, ``"news:train"``. ``text_column`` names the column to read.
+    """
+    what = repr(source) if isinstance(source, str | os.PathLike) else type(source).__name__
+    if isinstance(source, str | os.PathLike) and not os.path.exists(source):
+        match = _EMBEDDED_NAME.match(str(source))
+        if match is None or match["corpus"] not in EMBEDDED_CORPORA:
+            raise DataError(
+                f"Data source {source!r} is neither an existing file nor an embedded corpus; pass a path to a "
+                f"{sorted(_FILE_KINDS)} file or one of {list(EMBEDDED_CORPORA)} (optionally ':train' / ':heldout')."
+            )
+        texts = load_embedded_texts(match["corpus"], match["split"] or "all")
+    elif isinstance(source, str | os.PathLike):
+        texts = _load_files([Path(source)], text_column)
+    elif type(source).__name__ == "Dataset" and hasattr(source, "column_names"):
+        texts = _column(source, text_column, "Dataset")
+    elif type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):
+        raise DataError(
+            f"Got a DatasetDict with splits {list(source)}; pass one split, e.g. dataset['train']."
+        )
+    elif isinstance(source, Sequence) and source and all(isinstance(s, str | os.PathLike) for s in source):
+        if all(isinstance(s, str) and not os.path.exists(s) for s in source):
+            texts = list(source)  # a list of texts
+        else:
+            texts = _load_files([Path(s) for s in source], text_column)
+    else:
+        raise DataError(
+            f"Unsupported data source {what}; pass a list of str, a datasets.Dataset, a path to a "
+            f"{sorted(_FILE_KINDS)} file, or an embedded corpus name like 'wikipedia:train'."
+        )
+    if not any(t.strip() for t in texts if isinstance(t, str)):
+        raise DataError(f"Data source {what} holds no text; pass a non-empty source.")
+    return texts
+
+
+def tokenize_windows(
+    texts: Any, tokenizer: Any, seqlen: int, max_windows: int | None = None
+) -> torch.LongTensor:
+    """Join ``texts`` with ``"\\n\\n"``, tokenize once and cut non-overlapping windows of ``seqlen``
+    tokens (the remainder is dropped). ``texts`` is anything :func:`load_texts` accepts.
+
+    Returns:
+        LongTensor ``[W, seqlen]``; the first ``max_windows`` windows if given.
+    """
+    if seqlen < 2:
+        raise DataError(f"seqlen must be at least 2 tokens, got {seqlen}.")
+    if max_windows is not None and max_windows < 1:
+        raise DataError(f"max_windows must be a positive number or None, got {max_windows}.")
+    text = "\n\n".join(load_texts(texts))
+    ids = tokenizer(text, return_tensors="pt", verbose=False)["input_ids"][0]  # [T]
+    num = ids.numel() // seqlen
+    if num == 0:
+        raise DataError(
+            f"The text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}; "
+            "pass more text or a smaller seqlen."
+        )
+    if max_windows is not None:
+        num = min(num, max_windows)
+    return ids[: num * seqlen].reshape(num, seqlen).long()  # [W, seqlen]
+
+
+def calibration_tokens(
+    source: Any, tokenizer: Any, num_samples: int = 128, seqlen: int = 512, seed: int = 0
+) -> torch.LongTensor:
+    """``num_samples`` distinct non-overlapping windows of ``seqlen`` tokens, picked at random
+    (seeded) from the tokenized ``source``, as SparseGPT / Wanda calibrate.
+
+    Raises :class:`DataError` when the source yields fewer windows than ``num_samples``.
+    """
+    if num_samples < 1:
+        raise DataError(f"num_samples must be at least 1, got {num_samples}.")
+    windows = tokenize_windows(source, tokenizer, seqlen)  # [W, seqlen]
+    if windows.shape[0] < num_samples:
+        raise DataError(
+            f"The calibration source gives {windows.shape[0]} windows of {seqlen} tokens, fewer than "
+            f"num_samples={num_samples}; lower num_samples or seqlen, or add text."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    picked = torch.randperm(windows.shape[0], generator=generator)[:num_samples]
+    return windows[picked]
+
+
+def causal_lm_dataset(source: Any, tokenizer: Any, seqlen: int, max_samples: int | None = None) -> Any:
+    """A ``datasets.Dataset`` of non-overlapping ``seqlen`` windows with ``input_ids`` and ``labels``
+    (equal; the model shifts them), ready for a transformers ``Trainer`` with its default collator."""
+    import datasets
+
+    windows = tokenize_windows(source, tokenizer, seqlen, max_windows=max_samples).tolist()
+    return datasets.Dataset.from_dict({"input_ids": windows, "labels": windows})

@@ -1,0 +1,111 @@
+"""2:4 sparse matmul for many tokens (prefill, large batches): tile-expanding ``tl.dot``.
+
+Upstream Triton has no sparse tensor-core MMA, so each program loads the compressed weight tile,
+expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers (:func:`expand_24`, shared with the
+GEMV kernel) and feeds the dense tensor cores: ``acc[M, N] += x[M, K] @ w[N, K].T`` in fp32.
+At best it matches dense cuBLAS (the work is dense); what it saves is the weight bytes read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .nm_gemv import INTERPRET, expand_24
+
+__all__ = ["nm24_dot", "nm24_dot_kernel"]
+
+
+@triton.jit
+def nm24_dot_kernel(
+    # Pointers
+    x_ptr,  # [T, K] activations
+    values_ptr,  # [N, K/2] kept weights
+    meta_ptr,  # [N, ceil(K/8)] uint8 positions
+    bias_ptr,  # [N] or a dummy pointer when HAS_BIAS is False
+    out_ptr,  # [T, N]
+    # Sizes
+    num_tokens,  # T (the GEMM's M)
+    out_features,  # N
+    in_features,  # K (multiple of 4)
+    # Strides (elements)
+    stride_xt,
+    stride_vn,
+    stride_mn,
+    stride_ot,
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: compute in fp32 (its bf16 arithmetic is wrong)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # dense input columns per step (multiple of 16)
+    GROUP_M: tl.constexpr,  # programs grouped along M for L2 reuse of weight tiles
+):
+    # ---- grouped program order (Triton matmul tutorial): GROUP_M row blocks share weight tiles in L2
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(num_tokens, BLOCK_M)
+    num_pid_n = tl.cdiv(out_features, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kc = tl.arange(0, BLOCK_K // 2)
+    offs_kb = tl.arange(0, BLOCK_K // 8)
+    mask_m = offs_m < num_tokens
+    mask_n = offs_n < out_features
+    # int64 row offsets: T * K and N * K/2 can exceed 2**31
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    v_ptrs = values_ptr + offs_n.to(tl.int64)[:, None] * stride_vn + offs_kc[None, :]
+    m_ptrs = meta_ptr + offs_n.to(tl.int64)[:, None] * stride_mn + offs_kb[None, :]
+    kc_total = in_features // 2
+    kb_total = (in_features + 7) // 8
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        # ---- load activations and the compressed weight tile
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_kc[None, :] + k0 // 2 < kc_total), other=0.0)
+        meta = tl.load(m_ptrs, mask=mask_n[:, None] & (offs_kb[None, :] + k0 // 8 < kb_total), other=0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            v = v.to(tl.float32)
+        # ---- expand to dense w[BLOCK_N, BLOCK_K]; acc += x @ w.T
+        w = expand_24(v, meta, BLOCK_N, BLOCK_K)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        v_ptrs += BLOCK_K // 2
+        m_ptrs += BLOCK_K // 8
+
+    # ---- epilogue: bias, cast, store
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _dot_configs() -> list[triton.Config]:
+    if INTERPRET:  # one config: the interpreter fails with several
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4)]
+    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); no spills on sm_90a (ptxas -v)
+        (128, 128, 64, 8, 3),
+        (64, 128, 64, 8, 3),
+        (128, 64, 64, 8, 3),
+        (64, 64, 64, 4, 4),
+        (32, 64, 128, 4, 4),
+        (16, 64, 128, 4, 4),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+nm24_dot = triton.autotune(_dot_configs(), key=["num_tokens", "out_features", "in_features"])(nm24_dot_kernel)

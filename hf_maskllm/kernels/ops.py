@@ -1,0 +1,246 @@
+"""Host side of the N:M kernels: argument checks, kernel choice, launchers and the custom op.
+
+``nm_linear`` is what modules call. It flattens leading dims and runs the opaque custom op
+``hf_maskllm::nm_linear`` (so ``torch.compile(fullgraph=True)`` and CUDA graphs see one node), which
+picks a backend in constant time:
+
+- 2:4 on CUDA (or on CPU under ``TRITON_INTERPRET=1``) with Triton importable:
+  ``tokens <= GEMV_MAX_TOKENS`` -> :mod:`.nm_gemv` (decode), else :mod:`.nm_dot` (tile-expanding ``tl.dot``);
+- anything else (other N:M, plain CPU, no Triton): decompress and ``F.linear`` (exact, not fast).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CheckpointError, ConfigError, MaskLLMError
+from ..patterns import check_nm_args
+
+__all__ = ["GEMV_MAX_TOKENS", "nm_linear", "nm_linear_dot", "nm_linear_gemv", "nm_linear_torch"]
+
+# Token counts up to this use the GEMV kernel; larger ones the tl.dot kernel.
+GEMV_MAX_TOKENS = 16
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def meta_bytes_per_row(n: int, m: int, in_features: int) -> int:
+    """Bytes of position metadata per row: ``ceil((in * n / m) * ceil(log2 m) / 8)``."""
+    bits = math.ceil(math.log2(m))
+    return math.ceil(in_features * n // m * bits / 8)
+
+
+def _check_args(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> None:
+    check_nm_args(n, m)
+    if not isinstance(in_features, int) or in_features <= 0 or in_features % m:
+        raise ConfigError(f"`in_features` must be a positive multiple of m={m}, got {in_features!r}.")
+    if x.shape[-1] != in_features:
+        raise MaskLLMError(
+            f"nm_linear: input has {x.shape[-1]} features in its last dim but the weight expects "
+            f"in_features={in_features}; pass x of shape [..., {in_features}]."
+        )
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise MaskLLMError(
+            f"nm_linear: input dtype {x.dtype} is not supported; use float16, bfloat16 or float32."
+        )
+    if values.dtype != x.dtype:
+        raise MaskLLMError(
+            f"nm_linear: input dtype {x.dtype} differs from weight dtype {values.dtype}; cast x with "
+            f"x.to({values.dtype})."
+        )
+    kc = in_features * n // m
+    if values.dim() != 2 or values.shape[1] != kc:
+        raise CheckpointError(
+            f"nm_linear: `values` must have shape [out, in*n/m] = [out, {kc}], got {tuple(values.shape)}; "
+            "build it with hf_maskllm.sparse.format.compress(weight, n, m)."
+        )
+    out_features = values.shape[0]
+    mb = meta_bytes_per_row(n, m, in_features)
+    if meta.dtype != torch.uint8 or tuple(meta.shape) != (out_features, mb):
+        raise CheckpointError(
+            f"nm_linear: `meta` must be uint8 of shape [{out_features}, {mb}], got {meta.dtype} "
+            f"{tuple(meta.shape)}; build it with hf_maskllm.sparse.format.compress(weight, n, m)."
+        )
+    tensors = {"values": values, "meta": meta}
+    if bias is not None:
+        if tuple(bias.shape) != (out_features,):
+            raise MaskLLMError(
+                f"nm_linear: `bias` must have shape [{out_features}], got {tuple(bias.shape)}."
+            )
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise MaskLLMError(
+                f"nm_linear: `{name}` is on {t.device} but x is on {x.device}; move both to one device."
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (2:4 only). They take a 2-D x and may write into a preallocated `out` (tests poison it).
+# ------------------------------------------------------------------------------------------------
+
+
+def _prepare(x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None):
+    x2d, values, meta = x2d.contiguous(), values.contiguous(), meta.contiguous()
+    if out is None:
+        out = torch.empty(x2d.shape[0], values.shape[0], dtype=x2d.dtype, device=x2d.device)
+    return x2d, values, meta, out
+
+
+def nm_linear_gemv(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """2:4 GEMV kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``."""
+    import triton
+
+    from .nm_gemv import nm24_gemv_narrow, nm24_gemv_wide
+
+    num_tokens, in_features = x2d.shape
+    if not 1 <= num_tokens <= GEMV_MAX_TOKENS:
+        raise MaskLLMError(
+            f"nm_linear_gemv takes 1..{GEMV_MAX_TOKENS} tokens, got {num_tokens}; use nm_linear."
+        )
+    x2d, values, meta, out = _prepare(x2d, values, meta, out)
+    out_features = values.shape[0]
+    block_t = triton.next_power_of_2(num_tokens)
+    kernel = nm24_gemv_narrow if block_t <= 4 else nm24_gemv_wide
+
+    def grid(meta_args):
+        return (triton.cdiv(out_features, meta_args["BLOCK_N"]),)
+
+    kernel[grid](
+        x2d, values, meta, bias if bias is not None else values, out,
+        num_tokens, out_features, in_features,
+        x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_T=block_t,
+    )  # fmt: skip
+    return out
+
+
+def nm_linear_dot(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """2:4 tile-expanding ``tl.dot`` kernel for any token count; ``x2d [T, K]`` -> ``[T, N]``."""
+    import triton
+
+    from .nm_dot import nm24_dot
+
+    num_tokens, in_features = x2d.shape
+    x2d, values, meta, out = _prepare(x2d, values, meta, out)
+    out_features = values.shape[0]
+
+    def grid(meta_args):
+        return (
+            triton.cdiv(num_tokens, meta_args["BLOCK_M"]) * triton.cdiv(out_features, meta_args["BLOCK_N"]),
+        )
+
+    nm24_dot[grid](
+        x2d, values, meta, bias if bias is not None else values, out,
+        num_tokens, out_features, in_features,
+        x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=_interpret(),
+        INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+def nm_linear_torch(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference / fallback path for any N:M: decompress the weight and call ``F.linear``."""
+    from ..sparse.format import decompress
+
+    weight = decompress(values, meta, n, m, in_features)
+    return F.linear(x2d, weight.to(x2d.dtype), bias)
+
+
+def _use_triton(x: torch.Tensor, n: int, m: int) -> bool:
+    return (n, m) == (2, 4) and _HAS_TRITON and (x.is_cuda or (_interpret() and x.device.type == "cpu"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom op: one opaque node for torch.compile / CUDA graphs.
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("hf_maskllm::nm_linear", mutates_args=())
+def _nm_linear_op(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    if not _use_triton(x2d, n, m):
+        return nm_linear_torch(x2d, values, meta, n, m, in_features, bias)
+    if x2d.shape[0] == 0:
+        return x2d.new_empty(0, values.shape[0])
+    if x2d.shape[0] <= GEMV_MAX_TOKENS:
+        return nm_linear_gemv(x2d, values, meta, bias)
+    return nm_linear_dot(x2d, values, meta, bias)
+
+
+@_nm_linear_op.register_fake
+def _(x2d, values, meta, n, m, in_features, bias):
+    return x2d.new_empty(x2d.shape[0], values.shape[0])
+
+
+def nm_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with ``W [out, in]`` given compressed as N:M ``(values, meta)``.
+
+    Args:
+        x: ``[..., in_features]`` activations (float16, bfloat16 or float32; same dtype as ``values``).
+        values: ``[out, in * n / m]`` kept weights, from ``hf_maskllm.sparse.format.compress``.
+        meta: ``uint8 [out, ceil(in * n / m * ceil(log2 m) / 8)]`` positions of the kept weights.
+        n, m: the pattern (2:4 runs the Triton kernels; others decompress and call ``F.linear``).
+        in_features: dense input size (a multiple of ``m``).
+        bias: optional ``[out]``.
+
+    Returns:
+        ``[..., out]`` in ``x``'s dtype, accumulated in fp32.
+    """
+    _check_args(x, values, meta, n, m, in_features, bias)
+    lead = x.shape[:-1]
+    y = torch.ops.hf_maskllm.nm_linear(x.reshape(-1, in_features), values, meta, n, m, in_features, bias)
+    return y.reshape(*lead, values.shape[0])

@@ -1,0 +1,77 @@
+"""``learn_mask``: the one mask-learning pipeline (a plain ``transformers.Trainer`` run).
+
+The CLI's main job, the examples and the quality benchmark all call this function, so there is
+one training recipe. Defaults follow the MaskLLM reference (REFERENCE section 1): only the logits
+train, AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, cosine LR decaying to 10%, grad
+clip 1.0, tau and kappa annealed by :class:`MaskAnnealCallback`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+from .adapters.callback import MaskAnnealCallback
+from .adapters.model import MaskModel
+
+__all__ = ["learn_mask"]
+
+
+def learn_mask(
+    mask_model: MaskModel,
+    train_dataset: Any,
+    max_steps: int,
+    learning_rate: float = 5e-4,
+    batch_size: int = 2,
+    gradient_accumulation_steps: int = 1,
+    output_dir: str | None = None,
+    logging_steps: int = 10,
+    bf16: bool | None = None,
+    seed: int = 0,
+    disable_tqdm: bool = False,
+    **training_args: Any,
+) -> Trainer:
+    """Learn the masks of ``mask_model`` on ``train_dataset`` (``input_ids`` / ``labels`` columns).
+
+    Returns the Trainer (its ``state.log_history`` holds loss, tau, kappa, flip rate, max prob).
+    Extra keyword arguments go to :class:`transformers.TrainingArguments`.
+    """
+    use_cuda = torch.cuda.is_available()
+    if bf16 is None:
+        bf16 = use_cuda and torch.cuda.is_bf16_supported()
+    args = TrainingArguments(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="hf_maskllm-"),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        logging_steps=logging_steps,
+        save_strategy=training_args.pop("save_strategy", "no"),
+        report_to=training_args.pop("report_to", []),
+        use_cpu=not use_cuda,
+        bf16=bf16,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=disable_tqdm,
+        remove_unused_columns=True,
+        **training_args,
+    )
+    trainer = Trainer(
+        model=mask_model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=default_data_collator,
+        callbacks=[MaskAnnealCallback()],
+    )
+    trainer.train()
+    mask_model.eval()
+    return trainer

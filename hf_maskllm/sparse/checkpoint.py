@@ -1,0 +1,281 @@
+"""Write a merged N:M model as a compressed (or plain dense) Hugging Face folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import __version__
+from ..errors import CheckpointError, NMViolationError, TargetError
+from ..patterns import check_nm_args, count_nm_violations
+from ..serialization import atomic_write
+from .format import FORMAT_VERSION, compress
+from .linear import SparseLinear, dense_weight_of, is_conv1d
+from .quantizer import LOAD_MARKER, QUANT_METHOD
+
+__all__ = ["find_nm_modules", "save_compressed"]
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _output_embedding_ids(model: nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    return {id(out)} if out is not None else set()
+
+
+def _is_nm(module: nn.Module, n: int, m: int) -> bool:
+    if isinstance(module, SparseLinear):
+        return (module.n, module.m) == (n, m)
+    weight = dense_weight_of(module)
+    return weight.shape[1] % m == 0 and count_nm_violations(weight.detach(), n, m) == 0
+
+
+def find_nm_modules(model: nn.Module, n: int = 2, m: int = 4) -> list[str]:
+    """Names of every ``nn.Linear`` / ``Conv1D`` (not the output embedding) whose weight is exactly N:M."""
+    skip = _output_embedding_ids(model)
+    return [
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, (nn.Linear, SparseLinear)) or is_conv1d(module))
+        and id(module) not in skip
+        and _is_nm(module, n, m)
+    ]
+
+
+def _check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
+    named = dict(model.named_modules())
+    skip = _output_embedding_ids(model)
+    for name in modules:
+        module = named.get(name)
+        if module is None:
+            raise TargetError(f"module {name!r} does not exist in {type(model).__name__}; check `modules`.")
+        if not (isinstance(module, (nn.Linear, SparseLinear)) or is_conv1d(module)):
+            raise TargetError(
+                f"module {name!r} is a {type(module).__name__}; only nn.Linear / Conv1D can be compressed."
+            )
+        if id(module) in skip:
+            raise TargetError(
+                f"module {name!r} is the output embedding (often tied); leave it out of `modules`."
+            )
+        if isinstance(module, SparseLinear):
+            if (module.n, module.m) != (n, m):
+                raise NMViolationError(f"module {name!r} is {module.n}:{module.m} compressed, not {n}:{m}.")
+            continue
+        weight = dense_weight_of(module)
+        if weight.shape[1] % m:
+            raise NMViolationError(
+                f"module {name!r} has in_features={weight.shape[1]}, not divisible by m={m}."
+            )
+        bad = count_nm_violations(weight.detach(), n, m)
+        if bad:
+            raise NMViolationError(
+                f"module {name!r} is not {n}:{m} sparse ({bad} groups keep more than {n} of {m} weights); "
+                "merge the mask into the weights first (MaskModel.merge_and_unload) or drop it from `modules`."
+            )
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"
+
+
+def _model_card(
+    model: nn.Module, n: int, m: int, modules: list[str], sizes: dict[str, int], extra: dict | None
+) -> str:
+    base = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    extra = dict(extra or {})
+    base = str(extra.pop("base_model", base))
+    lines = ["---", "library_name: transformers", "tags:", "- hf_maskllm", "- sparsity", f"- {n}:{m}"]
+    if base and not os.path.isabs(base) and base.count("/") == 1:
+        lines.append(f"base_model: {base}")
+    lines += ["---", "", f"# {n}:{m} sparse model (hf_maskllm)", ""]
+    lines.append(
+        f"{len(modules)} linear layers of `{base or type(model).__name__}` are {n}:{m} sparse and stored compressed "
+        f"(format version {FORMAT_VERSION}: kept values + packed positions). Load it with:"
+    )
+    lines += [
+        "",
+        "```python",
+        "import hf_maskllm  # registers the format with transformers",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")',
+        "```",
+        "",
+    ]
+    lines.append(
+        "Without `import hf_maskllm`, transformers refuses to load this checkpoint (it never loads random layers)."
+    )
+    lines += ["", "| | |", "|---|---|", f"| base model | {base or 'unknown'} |", f"| pattern | {n}:{m} |"]
+    lines.append(f"| compressed modules | {len(modules)} |")
+    lines.append(f"| masked weights, dense | {_human(sizes['dense'])} |")
+    lines.append(
+        f"| masked weights, compressed | {_human(sizes['compressed'])} ({sizes['compressed'] / max(sizes['dense'], 1):.2%}) |"
+    )
+    lines.append(f"| all weights in this folder | {_human(sizes['total'])} |")
+    for key, value in extra.items():
+        lines.append(f"| {key} | {value} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_shards(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_size: int | str) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(
+        state_dict, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
+    for filename, names in split.filename_to_tensors.items():
+        save_file(
+            {k: state_dict[k].contiguous() for k in names}, str(folder / filename), metadata={"format": "pt"}
+        )
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        )
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the finished folder ``tmp`` to ``target``: one rename, or per-file atomic replaces."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a folder; pick another save_directory.")
+    new = {p.name for p in tmp.iterdir()}
+    stale = [
+        p
+        for p in target.iterdir()
+        if p.name.startswith("model") and ".safetensors" in p.name and p.name not in new
+    ]
+    # config.json last: until it is replaced the folder still describes its old weights' format.
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        with atomic_write(target / path.name, "wb") as f, open(path, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 24)
+    for path in stale:
+        path.unlink()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_compressed(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    n: int = 2,
+    m: int = 4,
+    modules: list[str] | None = None,
+    dense: bool = False,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "2GB",
+    model_card: dict | None = None,
+) -> list[str]:
+    """Save a merged N:M model (targeted weights already zeroed) as a Hugging Face folder.
+
+    ``modules=None`` picks every linear (not the output embedding) whose weight is exactly N:M.
+    The pattern is verified before anything is written. ``dense=True`` writes a plain transformers
+    checkpoint (zeros kept, no ``quantization_config``). Otherwise the listed layers are stored as
+    ``P.values`` / ``P.meta`` (see :mod:`hf_maskllm.sparse.format`), reloadable after
+    ``import hf_maskllm`` with ``AutoModelForCausalLM.from_pretrained``. Returns the module names.
+    """
+    check_nm_args(n, m)
+    if modules is None:
+        modules = find_nm_modules(model, n, m)
+        if not modules:
+            raise NMViolationError(
+                f"no linear layer of {type(model).__name__} is {n}:{m} sparse; merge the mask into the weights "
+                "first (MaskModel.merge_and_unload), or check n and m."
+            )
+    else:
+        modules = list(modules)
+        if not modules:
+            raise TargetError("`modules` is empty; pass None to pick every N:M linear, or a list of names.")
+        _check_modules(model, modules, n, m)
+    has_sparse = any(isinstance(mod, SparseLinear) for mod in model.modules())
+    if dense and has_sparse:
+        raise CheckpointError(
+            "dense=True needs a dense model, but this one holds SparseLinear modules; replace them with "
+            "module.to_dense() first, or save compressed (dense=False)."
+        )
+
+    target = Path(save_directory).expanduser().resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        if dense:
+            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        else:
+            _save_compressed_files(model, tmp, n, m, modules, max_shard_size, model_card)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return modules
+
+
+def _save_compressed_files(
+    model: nn.Module,
+    tmp: Path,
+    n: int,
+    m: int,
+    modules: list[str],
+    max_shard_size: int | str,
+    model_card: dict | None,
+) -> None:
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    named = dict(model.named_modules())
+    state_dict = remove_tied_weights_from_state_dict(model.state_dict(), model)  # references, not copies
+    sizes = {"dense": 0, "compressed": 0}
+    for name in modules:
+        module = named[name]
+        if isinstance(module, SparseLinear):
+            values, meta = module.values, module.meta
+            elem = module.values.element_size()
+            sizes["dense"] += module.in_features * module.out_features * elem
+        else:
+            weight = dense_weight_of(module)
+            values, meta = compress(weight, n, m)  # one layer at a time
+            sizes["dense"] += weight.numel() * weight.element_size()
+            del state_dict[f"{name}.weight"]
+        state_dict[f"{name}.values"], state_dict[f"{name}.meta"] = values.cpu(), meta.cpu()
+        sizes["compressed"] += values.numel() * values.element_size() + meta.numel()
+    sizes["total"] = sum(t.numel() * t.element_size() for t in state_dict.values())
+    _write_shards(state_dict, tmp, max_shard_size)
+    del state_dict
+
+    config = json.loads(model.config.to_json_string())
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    float_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if float_dtypes:
+        config["dtype"] = str(float_dtypes[0]).removeprefix("torch.")
+    config["transformers_weights"] = (
+        LOAD_MARKER  # makes plain transformers refuse this folder, see quantizer.py
+    )
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "n": n,
+        "m": m,
+        "modules": list(modules),
+        "hf_maskllm_version": __version__,
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(tmp)
+    card = _model_card(model, n, m, modules, sizes, model_card)
+    (tmp / "README.md").write_text(card, encoding="utf-8")

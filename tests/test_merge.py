@@ -1,0 +1,142 @@
+"""merge_and_unload: the plain model with W * hard_mask, equal outputs, vanilla reload, and check_nm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import (
+    model_inputs,
+    output_tensor,
+    single_thread,  # noqa: F401  (autouse fixture)
+    tiny_bert_mlm,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_llama_tied,
+    tiny_opt,
+)
+from transformers import AutoModelForCausalLM
+
+from hf_maskllm import MaskConfig, MaskedLinear, check_nm, get_mask_model
+from hf_maskllm.adapters.layer import dense_weight_view, is_conv1d
+from hf_maskllm.errors import MaskLLMError, NMViolationError
+
+CASES = [
+    ("llama-2:4", tiny_llama, {"n": 2, "m": 4}),
+    ("llama_tied-1:4", tiny_llama_tied, {"n": 1, "m": 4}),
+    ("llama-3:8-list", tiny_llama, {"n": 3, "m": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}),
+    ("gpt2-conv1d-2:4", tiny_gpt2, {"n": 2, "m": 4}),
+    ("opt-2:4", tiny_opt, {"n": 2, "m": 4}),
+    ("bert_mlm-2:4", tiny_bert_mlm, {"n": 2, "m": 4}),
+]
+
+
+def _masked(factory, kwargs):
+    base = factory()
+    mm = get_mask_model(base, MaskConfig(**kwargs))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # masks away from the init, as after training
+        for layer in mm.masked_layers().values():
+            layer.mask_logits.copy_(torch.randn(layer.mask_logits.shape, generator=generator))
+    return mm.eval(), base
+
+
+@pytest.mark.parametrize(("case_id", "factory", "kwargs"), CASES, ids=[c[0] for c in CASES])
+def test_merge_and_unload(case_id, factory, kwargs):
+    mm, base = _masked(factory, kwargs)
+    n, m = kwargs["n"], kwargs["m"]
+    inputs = model_inputs(mm)
+    dense_weights = {
+        name: dense_weight_view(layer.base_layer).detach().clone()
+        for name, layer in mm.masked_layers().items()
+    }
+    masks = mm.hard_masks()
+    with torch.no_grad():
+        masked_out = output_tensor(mm(**inputs))
+        with mm.disable_masks():
+            dense_out = output_tensor(mm(**inputs))
+    assert not torch.allclose(masked_out, dense_out, atol=1e-3)
+
+    merged = mm.merge_and_unload()
+    assert merged is base and type(merged) is type(factory())
+    assert not any(isinstance(mod, MaskedLinear) for mod in merged.modules())
+    for name, weight in dense_weights.items():
+        module = merged.get_submodule(name)
+        assert type(module).__name__ == ("Conv1D" if case_id.startswith("gpt2") else "Linear")
+        assert torch.equal(dense_weight_view(module), weight * masks[name])
+    with torch.no_grad():
+        merged_out = output_tensor(merged(**inputs))
+    if case_id.startswith("gpt2"):  # Conv1D runs addmm on [in, out], the masked layer F.linear: fp32 rounding
+        torch.testing.assert_close(merged_out, masked_out, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(merged_out, masked_out, rtol=0, atol=0)
+
+    report = check_nm(merged, n, m, target_modules=kwargs.get("target_modules", "all-linear"))
+    assert report.ok and set(report.layers) == set(dense_weights)
+    assert all(bad == 0 and groups > 0 for groups, bad in report.layers.values())
+
+
+def test_merged_model_reloads_in_vanilla_transformers(tmp_path):
+    mm, _ = _masked(tiny_llama_tied, {"n": 2, "m": 4})
+    inputs = model_inputs(mm)
+    with torch.no_grad():
+        expected = mm(**inputs).logits
+    merged = mm.merge_and_unload()
+    merged.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, rtol=0, atol=0)
+    check_nm(reloaded, 2, 4)  # raises on any violation
+
+
+def test_merge_twice_and_use_after_merge_raise():
+    mm, _ = _masked(tiny_llama, {"n": 2, "m": 4})
+    mm.merge_and_unload()
+    with pytest.raises(MaskLLMError, match="already called"):
+        mm.merge_and_unload()
+    with pytest.raises(MaskLLMError, match="already called"):
+        mm.hard_masks()
+
+
+def test_check_nm_reports_planted_violations():
+    mm, _ = _masked(tiny_llama, {"n": 2, "m": 4})
+    merged = mm.merge_and_unload()
+    q = merged.model.layers[0].self_attn.q_proj.weight
+    down = merged.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        for group in (0, 5, 9):  # 3 groups of q_proj's row 0 get all 4 weights nonzero
+            q[0, 4 * group : 4 * group + 4] = 0.5
+        down[3, 8:12] = torch.tensor([1.0, 1.0, 1.0, 0.0])  # 3 of 4 in one group
+    report = check_nm(merged, 2, 4, raise_on_violation=False)
+    assert report.violations == {"model.layers.0.self_attn.q_proj": 3, "model.layers.1.mlp.down_proj": 1}
+    assert not report.ok and "4 violating groups" in str(report)
+    with pytest.raises(NMViolationError, match="q_proj"):
+        check_nm(merged, 2, 4)
+    # 3:4 allows the 3-of-4 group but not the full ones
+    assert check_nm(merged, 3, 4, raise_on_violation=False).violations == {
+        "model.layers.0.self_attn.q_proj": 3
+    }
+    # excluding the broken layers makes it pass
+    assert check_nm(merged, 2, 4, exclude_modules=["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"]).ok
+
+
+def test_check_nm_on_dense_and_unmerged_models():
+    dense = tiny_llama()
+    report = check_nm(dense, 2, 4, raise_on_violation=False)
+    assert len(report.layers) == 14 and all(bad == groups for groups, bad in report.layers.values())
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    with pytest.raises(NMViolationError, match="merge_and_unload"):
+        check_nm(mm, 2, 4)
+
+
+def test_merge_conv1d_keeps_its_layout():
+    mm, base = _masked(tiny_gpt2, {"n": 2, "m": 4})
+    name = mm.masked_names[0]
+    layer = mm.masked_layers()[name]
+    assert is_conv1d(layer.base_layer)
+    stored = layer.base_layer.weight.detach().clone()  # [in, out]
+    mask = layer.hard_mask()  # [out, in]
+    merged = mm.merge_and_unload()
+    weight = merged.get_submodule(name).weight
+    assert weight.shape == stored.shape
+    assert torch.equal(weight, stored * mask.t())

@@ -1,0 +1,257 @@
+"""save_compressed -> from_pretrained of merged N:M models, and what happens without hf_maskllm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import hf_maskllm.sparse  # noqa: F401  (registers the loader)
+from hf_maskllm.errors import CheckpointError, NMViolationError, TargetError
+from hf_maskllm.sparse import SparseLinear, find_nm_modules, save_compressed
+
+VOCAB = 128
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,  # like SmolLM2
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB))
+
+
+def tiny_opt() -> OPTForCausalLM:
+    cfg = OPTConfig(
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        word_embed_proj_dim=64,
+        max_position_embeddings=64,
+    )
+    return OPTForCausalLM(cfg)
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "opt": tiny_opt, "qwen2": tiny_qwen2}
+
+
+@torch.no_grad()
+def magnitude_prune(model: torch.nn.Module, n: int = 2, m: int = 4) -> None:
+    """Zero all but the n largest |w| of every m inputs in each linear / Conv1D except the output embedding."""
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        is_conv1d = type(module).__name__ == "Conv1D"  # GPT-2: weight stored [in, out]
+        if module is head or not (isinstance(module, torch.nn.Linear) or is_conv1d):
+            continue
+        weight = module.weight.t().contiguous() if is_conv1d else module.weight.clone()  # [out, in]
+        groups = weight.view(weight.shape[0], -1, m)
+        groups.scatter_(-1, groups.abs().argsort(dim=-1)[..., : m - n], 0.0)
+        module.weight.copy_(weight.t() if is_conv1d else weight)
+
+
+def merged_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = MODELS[kind]()
+    with torch.no_grad():  # initialise biases away from zero so that they are checked too
+        for module in model.modules():
+            if getattr(module, "bias", None) is not None and isinstance(module.bias, torch.nn.Parameter):
+                module.bias.normal_(0, 0.1)
+    magnitude_prune(model)
+    return model.to(dtype).eval()
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_round_trip_fp32_exact_and_generate(kind, tmp_path):
+    model = merged_model(kind)
+    modules = save_compressed(model, tmp_path / "c")
+    assert len(modules) == len(find_nm_modules(model)) > 0
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["format_version"], q["n"], q["m"], q["modules"]) == (
+        "hf_maskllm_nm",
+        1,
+        2,
+        4,
+        modules,
+    )
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    assert all(f"{name}.weight" not in tensors and f"{name}.meta" in tensors for name in modules)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    sparse = [name for name, mod in loaded.named_modules() if isinstance(mod, SparseLinear)]
+    assert sparse == modules
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    gen_kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(loaded.generate(ids[:1], **gen_kwargs), model.generate(ids[:1], **gen_kwargs))
+    # Compressed is smaller than the same model saved dense.
+    model.save_pretrained(tmp_path / "d")
+    assert folder_bytes(tmp_path / "c") < folder_bytes(tmp_path / "d")
+
+
+def test_bf16_round_trip_and_size(tmp_path):
+    model = merged_model("llama", torch.bfloat16)
+    save_compressed(model, tmp_path / "c", model_card={"mask": "magnitude (test)", "wikitext ppl": 123.4})
+    card = (tmp_path / "c" / "README.md").read_text()
+    assert "magnitude (test)" in card and "123.4" in card and "56.25%" in card
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    assert loaded.dtype == torch.bfloat16
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        # Same weights and ops: equal up to bf16 rounding of the (re-ordered) matmuls.
+        torch.testing.assert_close(
+            loaded(ids).logits.float(), model(ids).logits.float(), rtol=0.02, atol=0.02
+        )
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    q = tensors["model.layers.0.self_attn.q_proj.values"]
+    meta = tensors["model.layers.0.self_attn.q_proj.meta"]
+    assert q.dtype == torch.bfloat16 and meta.dtype == torch.uint8
+    assert (q.numel() * 2 + meta.numel()) / (64 * 64 * 2) == 0.5625
+
+
+def test_sharded_and_resave_identical(tmp_path):
+    model = merged_model("llama")
+    save_compressed(model, tmp_path / "c", max_shard_size="100KB")
+    index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    # transformers' own save cannot keep the no-hf_maskllm guard, so it refuses and points to save_compressed.
+    with pytest.raises(ValueError, match="not serializable"):
+        loaded.save_pretrained(tmp_path / "x")
+    save_compressed(loaded, tmp_path / "r", max_shard_size="100KB")
+    first = {}
+    for f in sorted((tmp_path / "c").glob("*.safetensors")):
+        first.update(load_file(f))
+    again = {}
+    for f in sorted((tmp_path / "r").glob("*.safetensors")):
+        again.update(load_file(f))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    cfg1 = json.loads((tmp_path / "c" / "config.json").read_text())
+    cfg2 = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg1["quantization_config"] == cfg2["quantization_config"]
+    assert cfg1["transformers_weights"] == cfg2["transformers_weights"]
+    # Saving over an existing folder replaces it (stale shards removed).
+    save_compressed(loaded, tmp_path / "c")
+    assert sorted(p.name for p in (tmp_path / "c").glob("model*")) == ["model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_violation_raises_before_writing(tmp_path):
+    model = merged_model("llama")
+    target = tmp_path / "c"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, :4] = 1.0
+    with pytest.raises(NMViolationError, match="up_proj"):
+        save_compressed(model, target, modules=["model.layers.1.mlp.up_proj"])
+    with pytest.raises(NMViolationError):
+        save_compressed(model, target, modules=["model.layers.1.mlp.up_proj"], dense=True)
+    with pytest.raises(TargetError, match="does not exist"):
+        save_compressed(model, target, modules=["model.layers.9.mlp.up_proj"])
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # modules=None skips the now-dense layer and compresses the rest.
+    modules = save_compressed(model, target)
+    assert "model.layers.1.mlp.up_proj" not in modules and len(modules) == 13
+
+
+def test_load_rejects_future_version_and_corrupt_meta(tmp_path):
+    model = merged_model("llama")
+    save_compressed(model, tmp_path / "c")
+    cfg_path = tmp_path / "c" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["format_version"] = 2
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="Upgrade hf_maskllm"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    cfg["quantization_config"]["format_version"] = 1
+    cfg_path.write_text(json.dumps(cfg))
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.meta"][0, 0] = 0b00_00_01_01  # group 0 positions 1, 1
+    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="down_proj"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+
+
+def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
+    model = merged_model("llama")
+    save_compressed(model, tmp_path / "c")
+    save_compressed(model, tmp_path / "d", dense=True)
+    assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(tmp_path / "c")!r})
+        except Exception as e:
+            print("COMPRESSED-ERROR:", type(e).__name__, e)
+        else:
+            print("COMPRESSED-LOADED")
+        dense = AutoModelForCausalLM.from_pretrained({str(tmp_path / "d")!r})
+        with torch.no_grad():
+            logits = dense(torch.tensor({ids.tolist()})).logits
+        save_file({{"logits": logits.contiguous()}}, {str(tmp_path / "logits.safetensors")!r})
+        assert "hf_maskllm" not in sys.modules
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "COMPRESSED-ERROR: ValueError" in out.stdout and "import hf_maskllm" in out.stdout, out.stdout
+    logits = load_file(tmp_path / "logits.safetensors")["logits"]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
