@@ -8,7 +8,7 @@ from torch import nn
 
 from .adapters.layer import MaskedLinear, dense_weight_view
 from .adapters.targets import find_targets
-from .errors import NMViolationError
+from .errors import MaskLLMError, NMViolationError, TargetError
 from .patterns import check_nm_args, count_nm_violations
 
 __all__ = ["NMReport", "check_nm"]
@@ -58,11 +58,23 @@ def check_nm(
     """
     check_nm_args(n, m)
     if any(isinstance(module, MaskedLinear) for module in model.modules()):
-        raise NMViolationError(
+        raise MaskLLMError(
             "check_nm needs a merged model: call mask_model.merge_and_unload() first (masked layers hold dense weights)."
         )
+    from .sparse.linear import SparseLinear
+
     report = NMReport(n, m)
-    for name in find_targets(model, target_modules, exclude_modules, m, strict=False):
+    for name, module in model.named_modules():  # layers loaded from a compressed checkpoint
+        if isinstance(module, SparseLinear):
+            weight = module.dense_weight()
+            report.layers[name] = (weight.numel() // m, count_nm_violations(weight, n, m))
+    try:
+        names = find_targets(model, target_modules, exclude_modules, m, strict=False)
+    except TargetError:
+        if not report.layers:
+            raise
+        names = []
+    for name in names:
         weight = dense_weight_view(model.get_submodule(name)).detach()
         report.layers[name] = (weight.numel() // m, count_nm_violations(weight, n, m))
     if raise_on_violation and not report.ok:

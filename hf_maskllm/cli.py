@@ -71,17 +71,32 @@ def _ppl(model, tokenizer, args) -> dict[str, float]:
     }
 
 
+def _check_no_heldout(source: str) -> None:
+    """The table reports held-out perplexity: refuse embedded training data that contains it."""
+    from .data import EMBEDDED_CORPORA
+    from .errors import DataError
+
+    corpus, _, split = source.partition(":")
+    if corpus in EMBEDDED_CORPORA and split != "train":
+        raise DataError(
+            f"--train-data {source!r} includes the held-out articles the perplexity table is measured on; "
+            f"use '{corpus}:train'."
+        )
+
+
 def learn(args: argparse.Namespace) -> dict:
     """Run the main job; returns the results it prints and saves."""
     from . import MaskConfig, check_nm, get_mask_model
     from .data import calibration_tokens, causal_lm_dataset
     from .learn import learn_mask
 
+    _check_no_heldout(args.train_data)
     torch.manual_seed(args.seed)
     out = Path(args.output)
     rows: list[tuple[str, dict[str, float], float]] = []
     t0 = time.perf_counter()
     model, tokenizer = _load(args.model)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
 
     t0 = time.perf_counter()
@@ -148,7 +163,7 @@ def learn(args: argparse.Namespace) -> dict:
     report = check_nm(sparse, args.n, args.m, target_modules=config.target_modules)
     print(report.__str__().splitlines()[0])
     prompt = "The history of the city"
-    inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = tokenizer(prompt, return_tensors="pt").to(sparse.device)
     with torch.no_grad():
         generated = sparse.generate(**inputs, max_new_tokens=30, do_sample=False)
     sample = tokenizer.decode(generated[0], skip_special_tokens=True)

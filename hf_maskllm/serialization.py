@@ -147,15 +147,25 @@ def resolve_folder(
     if not _looks_like_repo_id(name):
         raise error(f"{what} {name!r} is neither an existing folder nor a Hub repo id ('user/name').")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         local = snapshot_download(
             name, revision=revision, allow_patterns=list(required) + list(optional or [])
         )
+    except HFValidationError:
+        raise error(
+            f"{what} {name!r} is neither an existing folder nor a valid Hub repo id ('user/name')."
+        ) from None
     except RepositoryNotFoundError:
         raise error(
-            f"Hub repo {name!r} does not exist or is private; check the id and your HF_TOKEN."
+            f"{what} {name!r} is not a local folder, and no Hub repo of that id exists (or it is private); "
+            "check the path or id, and your HF_TOKEN."
         ) from None
     except LocalEntryNotFoundError:
         raise error(

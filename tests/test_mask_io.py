@@ -336,7 +336,7 @@ def test_push_with_logits(local_hub):
 
 def test_missing_repo_fails_fast(local_hub):
     start = time.perf_counter()
-    with pytest.raises(MaskFileError, match="does not exist"):
+    with pytest.raises(MaskFileError, match="no Hub repo of that id exists"):
         MaskModel.from_pretrained(tiny_llama(), "user/no-such-mask")
     with pytest.raises(MaskFileError):
         MaskConfig.from_pretrained("user/no-such-mask")

@@ -125,7 +125,7 @@ def test_check_nm_on_dense_and_unmerged_models():
     report = check_nm(dense, 2, 4, raise_on_violation=False)
     assert len(report.layers) == 14 and all(bad == groups for groups, bad in report.layers.values())
     mm = get_mask_model(tiny_llama(), MaskConfig())
-    with pytest.raises(NMViolationError, match="merge_and_unload"):
+    with pytest.raises(MaskLLMError, match="merge_and_unload"):
         check_nm(mm, 2, 4)
 
 

@@ -221,6 +221,26 @@ def test_load_rejects_future_version_and_corrupt_meta(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
 
 
+@pytest.mark.parametrize("part", ["values", "meta"])
+def test_load_rejects_missing_tensor(tmp_path, part):
+    """transformers alone would fill a missing tensor with uninitialised memory and only warn."""
+    save_compressed(merged_model("llama"), tmp_path / "c")
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    del tensors[f"model.layers.0.mlp.down_proj.{part}"]
+    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"down_proj.{part}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+
+
+def test_load_rejects_non_finite_values(tmp_path):
+    save_compressed(merged_model("llama"), tmp_path / "c")
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.values"][3, 5] = float("nan")
+    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="q_proj.values holds NaN"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+
+
 def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
     model = merged_model("llama")
     save_compressed(model, tmp_path / "c")
@@ -255,3 +275,16 @@ def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
     assert "COMPRESSED-ERROR: ValueError" in out.stdout and "import hf_maskllm" in out.stdout, out.stdout
     logits = load_file(tmp_path / "logits.safetensors")["logits"]
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def test_check_nm_reads_a_loaded_compressed_model(tmp_path):
+    from hf_maskllm import check_nm
+
+    modules = save_compressed(merged_model("llama"), tmp_path / "c")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    report = check_nm(loaded, 2, 4)
+    assert set(report.layers) == set(modules) and report.ok
+    sparse = next(mod for mod in loaded.modules() if isinstance(mod, SparseLinear))
+    with torch.no_grad():  # positions of a group must stay distinct: plant a second kept value at a new spot
+        sparse.values[0, :2] = 1.0
+    assert check_nm(loaded, 1, 4, raise_on_violation=False).violations

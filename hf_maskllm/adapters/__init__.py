@@ -3,6 +3,7 @@
 from .callback import MaskAnnealCallback
 from .config import MaskConfig
 from .layer import MaskedLinear
-from .model import MaskModel, get_mask_model
+from .mapping import get_mask_model
+from .model import MaskModel
 
 __all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskedLinear", "get_mask_model"]

@@ -79,7 +79,11 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         mask_model = find_mask_model(model)
-        mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps))
+        # With num_items_in_batch the Trainer neither divides the loss by the accumulation steps nor (with
+        # average_tokens_across_devices) leaves it per process: it multiplies it by the process count before
+        # DDP averages. The regulariser rides in that loss, so undo both to keep its weight per update fixed.
+        processes = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
+        mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps)) * max(1, processes)
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
             self._previous = {k: v.clone() for k, v in mask_model.hard_indices().items()}
@@ -128,6 +132,12 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             self.flip_rate_sum, self.flip_rate_count = 0.0, 0
         if self.last_max_prob is not None:
             extra["mask_max_prob"] = self.last_max_prob
+        model = kwargs.get("model")
+        term = find_mask_model(model).last_sparse_reg_term if model is not None else None
+        if term is not None and "loss" in logs:
+            extra["sparse_reg_loss"] = float(
+                term
+            )  # included in `loss` (last micro-batch); LM loss = loss - this
         logs.update(extra)
         # Trainer appended its record to log_history before calling callbacks: keep them consistent.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

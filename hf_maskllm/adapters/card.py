@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["mask_model_card"]
+__all__ = ["is_hub_repo_id", "mask_model_card"]
+
+
+def is_hub_repo_id(name: str) -> bool:
+    """``user/name`` with no path-like parts: what a card's ``base_model`` field may hold."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
 
 
 def mask_model_card(
@@ -20,13 +26,13 @@ def mask_model_card(
 ) -> str:
     """Markdown with YAML front matter describing a learned N:M mask."""
     lines = ["---", "library_name: hf_maskllm"]
-    if base_model:
+    if base_model and is_hub_repo_id(base_model):  # the Hub validates this field: no local paths
         lines.append(f"base_model: {base_model}")
     lines += ["tags:", "- maskllm", "- sparsity", f"- {n}:{m}-sparsity", "---", ""]
     lines += [
         f"# {n}:{m} sparsity mask{f' for {base_model}' if base_model else ''}",
         "",
-        "A learned semi-structured sparsity mask made with [hf_maskllm](https://github.com/) (MaskLLM:",
+        "A learned semi-structured sparsity mask made with hf_maskllm (MaskLLM,",
         f"learnable {n}:{m} masks sampled with Gumbel softmax, the model's weights frozen).",
         "",
         "| | |",

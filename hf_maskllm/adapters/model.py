@@ -1,4 +1,4 @@
-"""``MaskModel`` and ``get_mask_model``: inject mask adapters, save / load / push, merge.
+"""``MaskModel``: inject mask adapters, save / load / push, merge.
 
 Layout follows PEFT: the wrapper holds the transformers model as ``base_model``, swaps each
 targeted layer for a :class:`MaskedLinear` in place, and forwards every other attribute.
@@ -28,7 +28,7 @@ from .mask_file import LOGITS_NAME, MASKS_NAME, read_logits, read_masks, write_l
 from .packing import bits_per_weight
 from .targets import find_targets
 
-__all__ = ["MaskModel", "get_mask_model"]
+__all__ = ["MaskModel"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +58,8 @@ class MaskModel(nn.Module):
         self.mask_config = config
         self.training_summary: dict[str, Any] = {}
         self.sparse_reg_weight = 0.0  # lambda * (1 - t/T); set by MaskAnnealCallback
-        self.grad_accum_steps = 1  # set by MaskAnnealCallback; rescales the regulariser (see forward)
+        self.grad_accum_steps = 1  # divisor of the regulariser, set by MaskAnnealCallback (see forward)
+        self.last_sparse_reg_term: torch.Tensor | None = None
         self._merged = False
         names = (
             targets
@@ -122,9 +123,11 @@ class MaskModel(nn.Module):
             if regs:
                 # -lambda * (1 - t/T) * sum ||W * mask||^2 (REFERENCE section 1). When the Trainer normalises the
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
-                # accumulation steps, so we do, to keep the regulariser's weight per optimizer step fixed.
-                scale = self.sparse_reg_weight / (self.grad_accum_steps if scaled_for_accumulation else 1)
-                outputs.loss = outputs.loss - scale * torch.stack(regs).sum().to(outputs.loss.dtype)
+                # accumulation steps (and multiplies by the process count), so the callback sets the divisor.
+                divisor = self.grad_accum_steps if scaled_for_accumulation else 1
+                term = -self.sparse_reg_weight * torch.stack(regs).sum()
+                self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
+                outputs.loss = outputs.loss + term.to(outputs.loss.dtype) / divisor
             for layer in self.masked_layers().values():
                 layer.last_sparse_reg = None
         return outputs
@@ -439,78 +442,3 @@ class MaskModel(nn.Module):
             setattr(self.base_model.get_submodule(parent_name), child_name, layer.merge())
         self._merged = True
         return self.base_model
-
-
-def get_mask_model(
-    model: nn.Module,
-    config: MaskConfig | None = None,
-    calibration_data: Any = None,
-    tokenizer: Any = None,
-) -> MaskModel:
-    """Wrap ``model`` with learnable N:M masks (PEFT's ``get_peft_model`` for MaskLLM).
-
-    ``config.prior`` selects the initial logits: a one-shot method (``"magnitude"``; ``"wanda"``
-    and ``"sparsegpt"`` need ``calibration_data``: token ids ``[S, L]``, or texts / a dataset with
-    ``tokenizer``), or a saved mask folder / Hub repo id (transfer learning).
-    """
-    config = config or MaskConfig()
-    config.validate()
-    targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
-    prior_masks: dict[str, torch.Tensor] | None = None
-    if config.prior_is_method:
-        from ..priors import compute_prior_masks
-
-        tokens = _calibration_tokens(config, calibration_data, tokenizer)
-        prior_masks = compute_prior_masks(
-            model, config.prior, config.n, config.m, targets, calibration=tokens
-        )
-    elif config.prior is not None:
-        prior_masks = _saved_mask_prior(model, config, targets)
-    mask_model = MaskModel(model, config, targets)
-    if prior_masks is not None:
-        mask_model.apply_prior(prior_masks)
-    return mask_model
-
-
-def _calibration_tokens(config: MaskConfig, data: Any, tokenizer: Any) -> torch.Tensor | None:
-    if config.prior == "magnitude":
-        return None
-    if data is None:
-        raise ConfigError(
-            f"prior={config.prior!r} needs calibration data: pass calibration_data= (token ids [S, L], or texts / a "
-            "dataset together with tokenizer=), or use prior='magnitude'."
-        )
-    if isinstance(data, torch.Tensor):
-        if data.dim() != 2 or data.dtype not in (torch.int64, torch.int32):
-            raise ConfigError(
-                f"calibration_data tensors must be integer token ids [S, L], got {tuple(data.shape)} {data.dtype}."
-            )
-        return data.long()
-    if tokenizer is None:
-        raise ConfigError("calibration_data given as text needs tokenizer= to turn it into tokens.")
-    from ..data import calibration_tokens
-
-    return calibration_tokens(
-        data,
-        tokenizer,
-        num_samples=config.calibration_samples,
-        seqlen=config.calibration_seqlen,
-        seed=config.seed,
-    )
-
-
-def _saved_mask_prior(model: nn.Module, config: MaskConfig, targets: list[str]) -> dict[str, torch.Tensor]:
-    """Hard masks of a saved mask (folder or repo id) to use as a prior: the transfer-learning path."""
-    folder = resolve_folder(
-        config.prior, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
-    )
-    saved = MaskConfig.from_pretrained(folder)
-    if (saved.n, saved.m) != (config.n, config.m):
-        raise MaskFileError(
-            f"Prior mask {config.prior!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
-            "use the same N:M."
-        )
-    shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
-    indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
-    cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
-    return {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}

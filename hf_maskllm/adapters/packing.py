@@ -78,13 +78,19 @@ def unpack_indices(packed: torch.Tensor, num_groups: int, num_candidates: int) -
             f"{num_groups} groups; the file is corrupt or belongs to another model."
         )
     chunks = -(-num_groups // k)
-    stream = ((packed.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
-    stream = stream[: chunks * bits].reshape(chunks, bits).to(torch.int64)
     shifts = torch.arange(bits, dtype=torch.int64)
+    byte_shifts = torch.arange(8, dtype=torch.uint8)
     limit = num_candidates**k
     out = []
     for start in range(0, chunks, _SLICE):
-        values = (stream[start : start + _SLICE] << shifts).sum(dim=1)
+        stop = min(start + _SLICE, chunks)
+        # bytes holding bits [start*bits, stop*bits) of the stream; expanded one slice at a time
+        first_bit, last_bit = start * bits, stop * bits
+        raw = packed[first_bit // 8 : -(-last_bit // 8)]
+        stream = ((raw.reshape(-1, 1) >> byte_shifts) & 1).reshape(-1)
+        offset = first_bit - (first_bit // 8) * 8
+        stream = stream[offset : offset + last_bit - first_bit].reshape(stop - start, bits).to(torch.int64)
+        values = (stream << shifts).sum(dim=1)
         if bool((values >= limit).any()):
             raise MaskFileError(
                 "Packed mask holds an out-of-range chunk; the file is corrupt, save it again."

@@ -93,6 +93,9 @@ def sample_soft_mask(
     """
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The Trainer seeds every rank alike: give each rank its own noise, as its own data.
+            seed = (seed + 1_000_003 * torch.distributed.get_rank()) % 2**62
     return _GumbelMask.apply(logits, candidates.float(), float(tau), float(kappa), bool(hard), seed)
 
 

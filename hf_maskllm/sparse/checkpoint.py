@@ -15,7 +15,6 @@ from torch import nn
 from .. import __version__
 from ..errors import CheckpointError, NMViolationError, TargetError
 from ..patterns import check_nm_args, count_nm_violations
-from ..serialization import atomic_write
 from .format import FORMAT_VERSION, compress
 from .linear import SparseLinear, dense_weight_of, is_conv1d
 from .quantizer import LOAD_MARKER, QUANT_METHOD
@@ -149,6 +148,9 @@ def _write_shards(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_s
 
 def _publish(tmp: Path, target: Path) -> None:
     """Move the finished folder ``tmp`` to ``target``: one rename, or per-file atomic replaces."""
+    for path in tmp.iterdir():  # durable before they become visible
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
     if not target.exists():
         os.replace(tmp, target)
         return
@@ -160,10 +162,12 @@ def _publish(tmp: Path, target: Path) -> None:
         for p in target.iterdir()
         if p.name.startswith("model") and ".safetensors" in p.name and p.name not in new
     ]
-    # config.json last: until it is replaced the folder still describes its old weights' format.
+    # Old config.json out first, new one in last: in between the folder has no config and fails to load
+    # loudly, so old weights never pair with a new config (or the reverse) after a crash.
+    if (target / "config.json").exists():
+        os.unlink(target / "config.json")
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-        with atomic_write(target / path.name, "wb") as f, open(path, "rb") as src:
-            shutil.copyfileobj(src, f, 1 << 24)
+        os.replace(path, target / path.name)  # tmp is beside target: same filesystem, atomic
     for path in stale:
         path.unlink()
     shutil.rmtree(tmp, ignore_errors=True)

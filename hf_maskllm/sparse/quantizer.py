@@ -98,8 +98,37 @@ class NMSparseHfQuantizer(HfQuantizer):
     def update_ep_plan(self, config: Any) -> Any:
         return self._drop_marker(config)
 
+    def _check_checkpoint_keys(self, checkpoint_files: list[str] | None) -> None:
+        """Every listed module must have its ``values`` and ``meta`` in the files (headers only are read).
+
+        transformers would otherwise fill a missing tensor with uninitialised memory and only warn.
+        """
+        if not checkpoint_files:
+            return
+        from safetensors import safe_open
+
+        keys: set[str] = set()
+        for file in checkpoint_files:
+            if str(file).endswith(".safetensors"):
+                with safe_open(str(file), framework="pt") as f:
+                    keys.update(f.keys())
+        if not keys:
+            return
+        missing = [
+            f"{name}.{part}"
+            for name in self.quantization_config.modules
+            for part in ("values", "meta")
+            if f"{name}.{part}" not in keys
+        ]
+        if missing:
+            raise CheckpointError(
+                f"The compressed checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}; the files are "
+                "incomplete or corrupt. Download or save the checkpoint again."
+            )
+
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         cfg = self.quantization_config
+        self._check_checkpoint_keys(kwargs.get("checkpoint_files"))
         prefix = f"{getattr(model, 'base_model_prefix', '')}."
         for name in cfg.modules:
             local = name
@@ -135,6 +164,10 @@ class NMSparseHfQuantizer(HfQuantizer):
                 validate(
                     module.values, module.meta, cfg.n, cfg.m, module.in_features, module.out_features, name
                 )
+                if not bool(torch.isfinite(module.values).all()):
+                    raise CheckpointError(
+                        f"{name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
+                    )
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
