@@ -1,35 +1,75 @@
-"""Folder sizes and load times of SmolLM2-135M checkpoints: dense bf16, dense-with-zeros, compressed 2:4, mask only.
+"""Folder sizes, load times and resident memory of SmolLM2-135M checkpoints.
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py [--out benchmarks/checkpoint_sizes.md]
-Prints a markdown table (and writes it to --out). The 2:4 mask is the magnitude prior (sizes do not
-depend on which mask it is).
+Variants: dense bf16, dense with zeros (2:4, plain transformers), compressed 2:4 (hf_maskllm), and
+the mask alone. Each load runs in a fresh subprocess (best of 3 for time) and reads every tensor
+once; "resident memory" is the growth of the process's RSS over load + read, on top of the imported
+libraries (mask only: the bf16 base plus the fp32 logits MaskModel.from_pretrained rebuilds).
+
+Run: HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py [--out table.md]
+The mask is the magnitude prior: sizes do not depend on which 2:4 mask it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
-import time
+import textwrap
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from hf_maskllm import MaskConfig, MaskModel, get_mask_model
+from hf_maskllm import MaskConfig, get_mask_model
 from hf_maskllm.embedded import load_smollm2
+
+LOADER = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    import torch, transformers
+    import hf_maskllm
+    kind, folder, dense = sys.argv[1], sys.argv[2], sys.argv[3]
+    def rss_mb():
+        status = open("/proc/self/status").read()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    rss0, peak0 = rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    if kind == "mask":
+        model = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
+        t_base = time.perf_counter() - start
+        model = hf_maskllm.MaskModel.from_pretrained(model, folder)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        t_base = 0.0
+    # read every tensor once: safetensors maps files lazily, so untouched weights are not yet resident
+    checksum = sum(float(t.float().sum()) for t in model.state_dict().values())
+    seconds = time.perf_counter() - start
+    footprint = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "base_seconds": t_base, "rss_mb": rss_mb() - rss0,
+                      "peak_mb": peak - peak0, "footprint_mb": footprint}))
+    """
+)
 
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def timed(fn, repeats: int = 3) -> float:
-    best = float("inf")
+def load_stats(kind: str, folder: Path, dense: Path, repeats: int = 3) -> dict[str, float]:
+    runs = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        out = subprocess.run(
+            [sys.executable, "-c", LOADER, kind, str(folder), str(dense)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = min(runs, key=lambda r: r["seconds"])
+    return {**best, "rss_mb": max(r["rss_mb"] for r in runs), "peak_mb": max(r["peak_mb"] for r in runs)}
 
 
 def main() -> None:
@@ -37,45 +77,36 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     model, tokenizer = load_smollm2(dtype=torch.bfloat16)
-    config = model.config
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model.save_pretrained(root / "dense")
-        dense_state = {k: v.clone() for k, v in model.state_dict().items()}
         mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
         mask_model.save_pretrained(root / "mask")
         mask_model.save_pretrained(root / "zeros", merged=True, dense=True)
         mask_model.save_pretrained(root / "compressed", merged=True)
-
-        def load_dense(name: str):
-            return lambda: AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.bfloat16)
-
-        def load_mask():
-            base = LlamaForCausalLM(config).to(torch.bfloat16)
-            base.load_state_dict(dense_state)
-            MaskModel.from_pretrained(base, root / "mask")
-
+        del model, mask_model
         rows = [
-            ("dense bf16", "dense", load_dense("dense")),
-            ("dense with zeros (2:4, plain transformers)", "zeros", load_dense("zeros")),
-            ("compressed 2:4 (hf_maskllm)", "compressed", load_dense("compressed")),
-            ("mask only (base model not included)", "mask", load_mask),
+            ("dense bf16", "dense", "dense"),
+            ("dense with zeros (2:4, plain transformers)", "dense", "zeros"),
+            ("compressed 2:4 (hf_maskllm)", "dense", "compressed"),
+            ("mask only (+ loading the dense base)", "mask", "mask"),
         ]
         dense_size = folder_bytes(root / "dense")
         lines = [
-            "| checkpoint | folder size | vs dense | load time (best of 3) |",
-            "|---|---:|---:|---:|",
+            "| checkpoint | folder size | vs dense | load time (best of 3) | resident memory after load |",
+            "|---|---:|---:|---:|---:|",
         ]
-        for label, folder, loader in rows:
+        for label, kind, folder in rows:
             size = folder_bytes(root / folder)
-            seconds = timed(loader)
-            lines.append(f"| {label} | {size / 1e6:.1f} MB | {size / dense_size:.1%} | {seconds:.2f} s |")
+            stats = load_stats(kind, root / folder, root / "dense")
+            seconds = f"{stats['seconds']:.2f} s"
+            if kind == "mask":
+                seconds += f" ({stats['seconds'] - stats['base_seconds']:.2f} s for the mask)"
+            lines.append(
+                f"| {label} | {size / 1e6:.1f} MB | {size / dense_size:.1%} | {seconds} | {stats['rss_mb']:.0f} MiB |"
+            )
     table = "\n".join(lines)
     print(table)
-    print(
-        "\nmask-only load time includes building the fresh bf16 base model it attaches to; "
-        "sizes include tokenizer files where saved."
-    )
     if args.out:
         Path(args.out).write_text(table + "\n")
 

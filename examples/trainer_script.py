@@ -30,7 +30,7 @@ def main() -> None:
         output_dir=args.output,
         max_steps=args.steps,
         per_device_train_batch_size=2,
-        learning_rate=5e-3,
+        learning_rate=5e-4,
         adam_beta2=0.95,
         weight_decay=0.1,
         logging_steps=5,
@@ -38,13 +38,16 @@ def main() -> None:
         report_to=[],
         ddp_find_unused_parameters=False,
     )
-    Trainer(
+    trainer = Trainer(
         model=mask_model,
         args=training_args,
         train_dataset=train,
         data_collator=default_data_collator,
         callbacks=[MaskAnnealCallback()],
-    ).train()
+    )
+    trainer.train()
+    if not trainer.is_world_process_zero():  # under DDP every rank holds the same masks: one reports
+        return
     mask_model.eval()
     ppl = evaluate_perplexity(mask_model, tokenizer, "wikipedia:heldout", seqlen=512, max_windows=8)
     print(f"held-out Wikipedia perplexity with the learned 2:4 mask: {ppl:.2f}")

@@ -32,8 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     learn.add_argument("--n", type=int, default=2)
     learn.add_argument("--m", type=int, default=4)
-    learn.add_argument("--steps", type=int, default=60, help="optimizer steps of mask learning")
-    learn.add_argument("--lr", type=float, default=5e-3, help="peak learning rate of the logits")
+    learn.add_argument("--steps", type=int, default=40, help="optimizer steps of mask learning")
+    learn.add_argument(
+        "--lr", type=float, default=5e-4, help="peak learning rate of the logits (the reference value)"
+    )
     learn.add_argument("--batch-size", type=int, default=2)
     learn.add_argument("--grad-accum", type=int, default=1)
     learn.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence")
@@ -47,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument("--output", default="outputs/smollm2-2of4", help="where the mask and sparse model go")
     learn.add_argument("--seed", type=int, default=0)
     learn.add_argument("--no-merged", action="store_true", help="do not write the compressed sparse model")
+    learn.add_argument(
+        "--save-logits", action="store_true", help="also save the fp32 logits (to resume / transfer)"
+    )
     return p
 
 
@@ -154,7 +159,7 @@ def learn(args: argparse.Namespace) -> dict:
         {f"heldout_ppl_{k}": round(v, 3) for k, v in rows[-1][1].items()}
         | {"training_tokens": tokens, "prior": args.prior}
     )
-    mask_model.save_pretrained(out / "mask", save_logits=True)
+    mask_model.save_pretrained(out / "mask", save_logits=args.save_logits)
     print(f"\nmask saved to {out / 'mask'}")
     if not args.no_merged:
         mask_model.save_pretrained(out / "sparse-model", merged=True, tokenizer=tokenizer)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import MaskLLMError
+from .serialization import current_umask
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
@@ -84,6 +85,7 @@ def _save_atomically(model: Any, tokenizer: Any, target: Path) -> None:
     so a killed or failing process never leaves a half-written cache."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders; follow the umask
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

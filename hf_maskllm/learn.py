@@ -34,6 +34,7 @@ def learn_mask(
     seed: int = 0,
     disable_tqdm: bool = False,
     compile_sampling: bool = True,
+    callbacks: list[Any] | None = None,
     **training_args: Any,
 ) -> Trainer:
     """Learn the masks of ``mask_model`` on ``train_dataset`` (``input_ids`` / ``labels`` columns).
@@ -43,40 +44,45 @@ def learn_mask(
     a CPU for SmolLM2-135M, after a ~15 s compile). Extra keyword arguments go to
     :class:`transformers.TrainingArguments`.
     """
-    set_compiled_sampling(compile_sampling)
     use_cuda = torch.cuda.is_available()
     if bf16 is None:
         bf16 = use_cuda and torch.cuda.is_bf16_supported()
+    defaults: dict[str, Any] = {
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "weight_decay": 0.1,
+        "max_grad_norm": 1.0,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": not use_cuda,
+        "bf16": bf16,
+        "data_seed": seed,
+        "remove_unused_columns": True,
+    }
     args = TrainingArguments(
         output_dir=output_dir or tempfile.mkdtemp(prefix="hf_maskllm-"),
         max_steps=max_steps,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
         learning_rate=learning_rate,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
         logging_steps=logging_steps,
-        save_strategy=training_args.pop("save_strategy", "no"),
-        report_to=training_args.pop("report_to", []),
-        use_cpu=not use_cuda,
-        bf16=bf16,
         seed=seed,
-        data_seed=seed,
         disable_tqdm=disable_tqdm,
-        remove_unused_columns=True,
-        **training_args,
+        **{**defaults, **training_args},  # the caller's TrainingArguments win over the recipe's
     )
     trainer = Trainer(
         model=mask_model,
         args=args,
         train_dataset=train_dataset,
         data_collator=default_data_collator,
-        callbacks=[MaskAnnealCallback()],
+        callbacks=[MaskAnnealCallback(), *(callbacks or [])],
     )
-    trainer.train()
+    previous = set_compiled_sampling(compile_sampling)
+    try:
+        trainer.train()
+    finally:
+        set_compiled_sampling(previous)
     mask_model.eval()
     return trainer

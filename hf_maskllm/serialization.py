@@ -23,6 +23,7 @@ from .errors import MaskLLMError
 
 __all__ = [
     "atomic_write",
+    "current_umask",
     "load_json",
     "load_safetensors",
     "resolve_folder",
@@ -33,12 +34,20 @@ __all__ = [
 _PICKLE_MAGICS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")
 
 
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     """Open a temporary file beside ``path``; on success flush, fsync and rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600 files; saved files follow the umask
     try:
         with os.fdopen(fd, mode) as f:
             yield f

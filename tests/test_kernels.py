@@ -8,7 +8,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util
 import math
 
 import pytest
@@ -22,9 +21,6 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="kernel tests run the Triton interpreter on CPU"
 )
-
-HAS_FORMAT = importlib.util.find_spec("hf_maskllm.sparse.format") is not None
-
 
 # ------------------------------------------------------------------------------------------------
 # Reference format (written from the contract, independent of hf_maskllm.sparse.format)
@@ -57,7 +53,6 @@ def test_ref_compress_matches_the_contract_by_hand():
     assert torch.equal(dense, w)
 
 
-@pytest.mark.skipif(not HAS_FORMAT, reason="hf_maskllm.sparse.format not written yet")
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (2, 8), (3, 8)])
 def test_real_format_matches_reference(n, m):
     from hf_maskllm.sparse.format import compress, decompress
@@ -180,7 +175,6 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.hf_maskllm.nm_linear.default, (x, values, meta, 2, 4, 16, b))
 
 
-@pytest.mark.skipif(not HAS_FORMAT, reason="hf_maskllm.sparse.format not written yet")
 @pytest.mark.parametrize("n,m", [(1, 4), (2, 8)])
 def test_other_nm_fall_back_to_torch(n, m):
     g = torch.Generator().manual_seed(5)

@@ -288,3 +288,25 @@ def test_check_nm_reads_a_loaded_compressed_model(tmp_path):
     with torch.no_grad():  # positions of a group must stay distinct: plant a second kept value at a new spot
         sparse.values[0, :2] = 1.0
     assert check_nm(loaded, 1, 4, raise_on_violation=False).violations
+
+
+def test_push_merged_to_hub_and_load_by_repo_id(local_hub):
+    """MaskModel.push_to_hub(merged=True) -> AutoModelForCausalLM.from_pretrained(repo_id): the compressed model."""
+    from hf_maskllm import MaskConfig, get_mask_model
+
+    torch.manual_seed(0)
+    mask_model = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude"))
+    mask_model.training_summary = {"heldout_ppl_wikipedia": 12.5}
+    mask_model.eval()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        expected = mask_model(input_ids=ids).logits
+    mask_model.push_to_hub("user/tiny-2of4", merged=True)
+    files = local_hub.repo_files("user/tiny-2of4")
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    card = files["README.md"].decode()
+    assert "2:4" in card and "MaskLLM" in card and "prior: magnitude" in card and "12.5" in card
+    loaded = AutoModelForCausalLM.from_pretrained("user/tiny-2of4")
+    assert sum(isinstance(mod, SparseLinear) for mod in loaded.modules()) == len(mask_model.masked_names)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)

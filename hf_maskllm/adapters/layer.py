@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from ..patterns import candidate_patterns
 from .sampling import hard_indices, sample_soft_mask
 
@@ -38,7 +39,9 @@ class MaskedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         groups = self.out_features * self.in_features // m
         if tuple(logits.shape) != (groups, candidate_patterns(n, m).shape[0]):
-            raise ValueError(f"logits must have shape {(groups, candidate_patterns(n, m).shape[0])}")
+            raise ConfigError(
+                f"logits must have shape {(groups, candidate_patterns(n, m).shape[0])}, got {tuple(logits.shape)}."
+            )
         base_layer.weight.requires_grad_(False)
         if getattr(base_layer, "bias", None) is not None:
             base_layer.bias.requires_grad_(False)

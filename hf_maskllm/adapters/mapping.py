@@ -35,7 +35,9 @@ def get_mask_model(
     and ``"sparsegpt"`` need ``calibration_data``: token ids ``[S, L]``, or texts / a dataset with
     ``tokenizer``), or a saved mask folder / Hub repo id (transfer learning).
     """
-    config = config or MaskConfig()
+    config = MaskConfig() if config is None else config
+    if not isinstance(config, MaskConfig):
+        raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
     config.validate()
     targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
     prior_masks: dict[str, torch.Tensor] | None = None

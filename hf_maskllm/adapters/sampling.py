@@ -21,10 +21,11 @@ _COMPILED: dict[str, object] = {}
 _USE_COMPILED = False
 
 
-def set_compiled_sampling(enabled: bool) -> None:
-    """Fuse the sampling math with ``torch.compile`` (first call compiles; later calls reuse it)."""
+def set_compiled_sampling(enabled: bool) -> bool:
+    """Fuse the sampling math with ``torch.compile`` (first call compiles); returns the previous setting."""
     global _USE_COMPILED
-    _USE_COMPILED = bool(enabled)
+    previous, _USE_COMPILED = _USE_COMPILED, bool(enabled)
+    return previous
 
 
 def _uniform(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:

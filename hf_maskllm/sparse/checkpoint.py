@@ -15,6 +15,7 @@ from torch import nn
 from .. import __version__
 from ..errors import CheckpointError, NMViolationError, TargetError
 from ..patterns import check_nm_args, count_nm_violations
+from ..serialization import current_umask
 from .format import FORMAT_VERSION, compress
 from .linear import SparseLinear, dense_weight_of, is_conv1d
 from .quantizer import LOAD_MARKER, QUANT_METHOD
@@ -148,7 +149,8 @@ def _write_shards(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_s
 
 def _publish(tmp: Path, target: Path) -> None:
     """Move the finished folder ``tmp`` to ``target``: one rename, or per-file atomic replaces."""
-    for path in tmp.iterdir():  # durable before they become visible
+    for path in tmp.iterdir():  # durable, and readable as the umask says, before they become visible
+        os.chmod(path, 0o666 & ~current_umask())
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     if not target.exists():
@@ -215,6 +217,7 @@ def save_compressed(
     target = Path(save_directory).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders; follow the umask
     try:
         if dense:
             model.save_pretrained(tmp, max_shard_size=max_shard_size)

@@ -24,7 +24,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..errors import CheckpointError, TargetError
+from ..errors import CheckpointError
 from ..patterns import check_nm_args
 from .format import FORMAT_VERSION, validate
 from .linear import SparseLinear, dense_weight_of, is_conv1d
@@ -145,7 +145,10 @@ class NMSparseHfQuantizer(HfQuantizer):
                         "load the checkpoint with the model class it was saved from (e.g. AutoModelForCausalLM)."
                     ) from None
             if not isinstance(module, torch.nn.Linear) and not is_conv1d(module):
-                raise TargetError(f"module {name!r} is a {type(module).__name__}, not an nn.Linear / Conv1D.")
+                raise CheckpointError(
+                    f"quantization_config lists module {name!r}, a {type(module).__name__} in this model, not an "
+                    "nn.Linear / Conv1D; the checkpoint belongs to another architecture."
+                )
             out_features, in_features = dense_weight_of(module).shape
             dtype = module.weight.dtype
             parent_name, _, child = local.rpartition(".")

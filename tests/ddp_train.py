@@ -1,0 +1,51 @@
+"""Run by tests/test_distributed.py under torchrun: a plain Trainer learning masks with DDP (gloo, CPU).
+
+Each rank saves its hard masks and logits to <out>/rank<k>.safetensors.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from datasets import Dataset
+from safetensors.torch import save_file
+from transformers import Trainer, TrainingArguments
+
+from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from models import tiny_llama  # noqa: E402
+
+
+def main(out: str) -> None:
+    model = tiny_llama(seed=0)
+    mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
+    ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        out,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=0.05,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+        logging_steps=3,
+        seed=0,
+    )
+    trainer = Trainer(model=mask_model, args=args, train_dataset=data, callbacks=[MaskAnnealCallback()])
+    trainer.train()
+    rank = torch.distributed.get_rank()
+    tensors = {f"{k}.mask": v.to(torch.uint8) for k, v in mask_model.hard_masks().items()}
+    tensors.update(
+        {f"{k}.logits": layer.mask_logits.detach() for k, layer in mask_model.masked_layers().items()}
+    )
+    tensors["world_size"] = torch.tensor(torch.distributed.get_world_size())
+    save_file(tensors, f"{out}/rank{rank}.safetensors")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
