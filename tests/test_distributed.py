@@ -36,8 +36,9 @@ def test_ddp_two_processes_agree(tmp_path):
     for key in ranks[0]:
         assert torch.equal(ranks[0][key], ranks[1][key]), key
     # and training moved the logits away from their (shared) initialisation
-    from hf_maskllm import MaskConfig, get_mask_model
     from models import tiny_llama
+
+    from hf_maskllm import MaskConfig, get_mask_model
 
     init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
     moved = [
