@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .adapters.layer import MaskedLinear, dense_weight_view
+from .adapters.layer import MaskedLinear
 from .adapters.targets import find_targets
 from .errors import MaskLLMError, NMViolationError, TargetError
+from .modules import dense_weight_view
 from .patterns import check_nm_args, count_nm_violations
 
 __all__ = ["NMReport", "check_nm"]

@@ -26,8 +26,8 @@ from models import (
 from torch import nn
 
 from hf_maskllm import MaskConfig, MaskedLinear, MaskModel, get_mask_model
-from hf_maskllm.adapters.layer import dense_weight_view, is_conv1d
 from hf_maskllm.errors import MaskLLMError, TargetError
+from hf_maskllm.modules import dense_weight_view, is_conv1d
 from hf_maskllm.patterns import candidate_patterns, count_nm_violations
 
 # (case id, model factory, MaskConfig kwargs, number of layers that must be masked)

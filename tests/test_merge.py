@@ -17,8 +17,8 @@ from models import (
 from transformers import AutoModelForCausalLM
 
 from hf_maskllm import MaskConfig, MaskedLinear, check_nm, get_mask_model
-from hf_maskllm.adapters.layer import dense_weight_view, is_conv1d
 from hf_maskllm.errors import MaskLLMError, NMViolationError
+from hf_maskllm.modules import dense_weight_view, is_conv1d
 
 CASES = [
     ("llama-2:4", tiny_llama, {"n": 2, "m": 4}),

@@ -7,20 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
 from .sampling import hard_indices, sample_soft_mask
 
-__all__ = ["MaskedLinear", "dense_weight_view", "is_conv1d"]
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """True for transformers' GPT-2 style ``Conv1D`` (weight stored ``[in, out]``)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
-
-
-def dense_weight_view(module: nn.Module) -> torch.Tensor:
-    """The module's weight as ``[out, in]`` (a view; transposed for Conv1D)."""
-    return module.weight.t() if is_conv1d(module) else module.weight
+__all__ = ["MaskedLinear"]
 
 
 class MaskedLinear(nn.Module):

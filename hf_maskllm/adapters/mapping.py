@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError
+from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
 from ..serialization import resolve_folder
 from .config import CONFIG_NAME, MaskConfig
-from .layer import dense_weight_view
 from .mask_file import MASKS_NAME, read_masks
 from .model import MaskModel
 from .targets import find_targets

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError
+from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns, mask_to_indices
 from ..serialization import atomic_write, resolve_folder
 from .card import mask_model_card
 from .config import CONFIG_NAME, MaskConfig
-from .layer import MaskedLinear, dense_weight_view, is_conv1d
+from .layer import MaskedLinear
 from .mask_file import LOGITS_NAME, MASKS_NAME, read_logits, read_masks, write_logits, write_masks
 from .packing import bits_per_weight
 from .targets import find_targets

@@ -13,28 +13,16 @@ import warnings
 from torch import nn
 
 from ..errors import TargetError
-from .layer import dense_weight_view, is_conv1d
+from ..modules import dense_weight_view, output_embedding_names
+from ..modules import is_linear as is_maskable
 
 __all__ = ["find_targets", "is_maskable"]
-
-
-def is_maskable(module: nn.Module) -> bool:
-    """The supported base layers: ``nn.Linear`` and transformers' ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _matches(name: str, spec: str | list[str] | tuple[str, ...]) -> bool:
     if isinstance(spec, str):
         return re.fullmatch(spec, name) is not None
     return any(name == s or name.endswith("." + s) for s in spec)
-
-
-def _output_embedding_names(model: nn.Module) -> set[str]:
-    get = getattr(model, "get_output_embeddings", None)
-    out = get() if callable(get) else None
-    if out is None:
-        return set()
-    return {name for name, module in model.named_modules() if module is out}
 
 
 def find_targets(
@@ -51,7 +39,7 @@ def find_targets(
     without ``strict`` such a layer is skipped with a warning naming it.
     """
     all_linear = target_modules == "all-linear"
-    skip = _output_embedding_names(model) if all_linear else set()
+    skip = output_embedding_names(model) if all_linear else set()
     names: list[str] = []
     unsupported: list[str] = []
     indivisible: list[str] = []

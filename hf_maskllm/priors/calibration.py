@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.pytorch_utils import Conv1D
 
 from ..errors import ConfigError, DataError, TargetError
+from ..modules import dense_weight_view, is_linear
 from ..patterns import check_nm_args
 from .magnitude import magnitude_mask
 from .sparsegpt import HessianStats, sparsegpt_layer
@@ -49,11 +49,6 @@ class _StopForward(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _weight_oi(module: nn.Module) -> torch.Tensor:
-    """The weight in ``[out, in]`` orientation (a view; GPT-2 ``Conv1D`` stores ``[in, out]``)."""
-    return module.weight.t() if isinstance(module, Conv1D) else module.weight
-
-
 def _resolve_targets(model: nn.Module, module_names: Sequence[str], m: int) -> dict[str, nn.Module]:
     modules = dict(model.named_modules())
     targets: dict[str, nn.Module] = {}
@@ -64,12 +59,12 @@ def _resolve_targets(model: nn.Module, module_names: Sequence[str], m: int) -> d
                 f"module {name!r} is not in the model; pass names from `model.named_modules()` "
                 "(e.g. 'model.layers.0.self_attn.q_proj')."
             )
-        if not isinstance(module, (nn.Linear, Conv1D)):
+        if not is_linear(module):
             raise TargetError(
                 f"module {name!r} is a {type(module).__name__}; priors support only nn.Linear and "
                 "transformers' Conv1D. Remove it from the targets."
             )
-        in_features = _weight_oi(module).shape[1]
+        in_features = dense_weight_view(module).shape[1]
         if in_features % m:
             raise TargetError(
                 f"module {name!r} has {in_features} input features, not divisible by m={m}; "
@@ -195,7 +190,8 @@ def _collect_stats(
     """
     stats_cls = _STATS[method]
     stats = {
-        name: stats_cls(_weight_oi(mod).shape[1], device=mod.weight.device) for name, mod in targets.items()
+        name: stats_cls(dense_weight_view(mod).shape[1], device=mod.weight.device)
+        for name, mod in targets.items()
     }
     shared: dict[int, tuple[torch.Tensor, Any]] = {}
 
@@ -236,7 +232,7 @@ def _prune_targets(
     for name, module in targets.items():
         weight = module.weight
         originals[name] = weight.detach().to("cpu", copy=True)
-        w_oi = _weight_oi(module)
+        w_oi = dense_weight_view(module)
         if method == "wanda":
             mask = wanda_mask(w_oi, stats[name].norms(), n, m)
             w_oi.data.masked_fill_(~mask, 0)
@@ -363,7 +359,7 @@ def compute_prior_masks(
     check_nm_args(n, m)
     targets = _resolve_targets(model, module_names, m)
     if method == "magnitude":
-        return {name: magnitude_mask(_weight_oi(mod), n, m).cpu() for name, mod in targets.items()}
+        return {name: magnitude_mask(dense_weight_view(mod), n, m).cpu() for name, mod in targets.items()}
     calibration = _check_calibration(calibration, method)
     if not targets:
         return {}

@@ -14,10 +14,11 @@ from torch import nn
 
 from .. import __version__
 from ..errors import CheckpointError, NMViolationError, TargetError
+from ..modules import dense_weight_view, is_conv1d, output_embedding_names
 from ..patterns import check_nm_args, count_nm_violations
 from ..serialization import current_umask
 from .format import FORMAT_VERSION, compress
-from .linear import SparseLinear, dense_weight_of, is_conv1d
+from .linear import SparseLinear
 from .quantizer import LOAD_MARKER, QUANT_METHOD
 
 __all__ = ["find_nm_modules", "save_compressed"]
@@ -25,34 +26,28 @@ __all__ = ["find_nm_modules", "save_compressed"]
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
-def _output_embedding_ids(model: nn.Module) -> set[int]:
-    get = getattr(model, "get_output_embeddings", None)
-    out = get() if callable(get) else None
-    return {id(out)} if out is not None else set()
-
-
 def _is_nm(module: nn.Module, n: int, m: int) -> bool:
     if isinstance(module, SparseLinear):
         return (module.n, module.m) == (n, m)
-    weight = dense_weight_of(module)
+    weight = dense_weight_view(module)
     return weight.shape[1] % m == 0 and count_nm_violations(weight.detach(), n, m) == 0
 
 
 def find_nm_modules(model: nn.Module, n: int = 2, m: int = 4) -> list[str]:
     """Names of every ``nn.Linear`` / ``Conv1D`` (not the output embedding) whose weight is exactly N:M."""
-    skip = _output_embedding_ids(model)
+    skip = output_embedding_names(model)
     return [
         name
         for name, module in model.named_modules()
         if (isinstance(module, (nn.Linear, SparseLinear)) or is_conv1d(module))
-        and id(module) not in skip
+        and name not in skip
         and _is_nm(module, n, m)
     ]
 
 
 def _check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
     named = dict(model.named_modules())
-    skip = _output_embedding_ids(model)
+    skip = output_embedding_names(model)
     for name in modules:
         module = named.get(name)
         if module is None:
@@ -61,7 +56,7 @@ def _check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None
             raise TargetError(
                 f"module {name!r} is a {type(module).__name__}; only nn.Linear / Conv1D can be compressed."
             )
-        if id(module) in skip:
+        if name in skip:
             raise TargetError(
                 f"module {name!r} is the output embedding (often tied); leave it out of `modules`."
             )
@@ -69,7 +64,7 @@ def _check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None
             if (module.n, module.m) != (n, m):
                 raise NMViolationError(f"module {name!r} is {module.n}:{module.m} compressed, not {n}:{m}.")
             continue
-        weight = dense_weight_of(module)
+        weight = dense_weight_view(module)
         if weight.shape[1] % m:
             raise NMViolationError(
                 f"module {name!r} has in_features={weight.shape[1]}, not divisible by m={m}."
@@ -253,7 +248,7 @@ def _save_compressed_files(
             elem = module.values.element_size()
             sizes["dense"] += module.in_features * module.out_features * elem
         else:
-            weight = dense_weight_of(module)
+            weight = dense_weight_view(module)
             values, meta = compress(weight, n, m)  # one layer at a time
             sizes["dense"] += weight.numel() * weight.element_size()
             del state_dict[f"{name}.weight"]

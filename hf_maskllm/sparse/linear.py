@@ -10,24 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TargetError
+from ..modules import dense_weight_view
 from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress
 
-__all__ = ["SparseLinear", "dense_weight_of", "is_conv1d"]
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' GPT-2 style ``Conv1D`` (weight stored ``[in, out]``)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def dense_weight_of(module: nn.Module) -> torch.Tensor:
-    """The ``[out, in]`` weight of an ``nn.Linear`` or ``Conv1D`` (a view, no copy)."""
-    if isinstance(module, nn.Linear):
-        return module.weight
-    if is_conv1d(module):
-        return module.weight.t()
-    raise TargetError(f"{type(module).__name__} is not an nn.Linear or Conv1D; only those can be compressed.")
+__all__ = ["SparseLinear"]
 
 
 @lru_cache(maxsize=1)
@@ -97,7 +84,7 @@ class SparseLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Module, n: int = 2, m: int = 4) -> SparseLinear:
         """Compress an N:M ``nn.Linear`` / ``Conv1D`` (raises ``NMViolationError`` if it is not N:M)."""
-        weight = dense_weight_of(linear)
+        weight = dense_weight_view(linear)
         out_features, in_features = weight.shape
         bias = getattr(linear, "bias", None)
         layer = cls(in_features, out_features, n, m, bias is not None, device="meta", dtype=weight.dtype)

@@ -25,9 +25,10 @@ from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import CheckpointError
+from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from .format import FORMAT_VERSION, validate
-from .linear import SparseLinear, dense_weight_of, is_conv1d
+from .linear import SparseLinear
 
 __all__ = ["LOAD_MARKER", "QUANT_METHOD", "NMSparseConfig", "NMSparseHfQuantizer"]
 
@@ -149,7 +150,7 @@ class NMSparseHfQuantizer(HfQuantizer):
                     f"quantization_config lists module {name!r}, a {type(module).__name__} in this model, not an "
                     "nn.Linear / Conv1D; the checkpoint belongs to another architecture."
                 )
-            out_features, in_features = dense_weight_of(module).shape
+            out_features, in_features = dense_weight_view(module).shape
             dtype = module.weight.dtype
             parent_name, _, child = local.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
