@@ -8,7 +8,9 @@ clip 1.0, tau and kappa annealed by :class:`MaskAnnealCallback`.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -40,14 +42,23 @@ def learn_mask(
     """Learn the masks of ``mask_model`` on ``train_dataset`` (``input_ids`` / ``labels`` columns).
 
     Returns the Trainer (its ``state.log_history`` holds loss, tau, kappa, flip rate, max prob).
-    ``compile_sampling`` fuses the mask sampling with ``torch.compile`` (about 6x faster steps on
-    a CPU for SmolLM2-135M, after a ~15 s compile). Extra keyword arguments go to
+    ``compile_sampling`` fuses the mask sampling with ``torch.compile`` (on this project's CPU:
+    a SmolLM2-135M masked forward + backward went from 31-43 s to 5.5 s, after a 17 s compile). Extra keyword arguments go to
     :class:`transformers.TrainingArguments`.
     """
     use_cuda = torch.cuda.is_available()
     if bf16 is None:
         bf16 = use_cuda and torch.cuda.is_bf16_supported()
-    defaults: dict[str, Any] = {
+    settings: dict[str, Any] = {
+        "output_dir": output_dir or tempfile.mkdtemp(prefix="hf_maskllm-"),
+        "max_steps": max_steps,
+        "per_device_train_batch_size": batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "learning_rate": learning_rate,
+        "logging_steps": logging_steps,
+        "seed": seed,
+        "data_seed": seed,
+        "disable_tqdm": disable_tqdm,
         "lr_scheduler_type": "cosine_with_min_lr",
         "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
         "adam_beta1": 0.9,
@@ -57,27 +68,23 @@ def learn_mask(
         "save_strategy": "no",
         "report_to": [],
         "use_cpu": not use_cuda,
-        "bf16": bf16,
-        "data_seed": seed,
         "remove_unused_columns": True,
     }
-    args = TrainingArguments(
-        output_dir=output_dir or tempfile.mkdtemp(prefix="hf_maskllm-"),
-        max_steps=max_steps,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        learning_rate=learning_rate,
-        logging_steps=logging_steps,
-        seed=seed,
-        disable_tqdm=disable_tqdm,
-        **{**defaults, **training_args},  # the caller's TrainingArguments win over the recipe's
-    )
+    if "fp16" not in training_args:
+        settings["bf16"] = bf16
+    args = TrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
+    if compile_sampling and not use_cuda and shutil.which("cc") is None and shutil.which("gcc") is None:
+        warnings.warn(
+            "No C compiler found: torch.compile cannot fuse mask sampling; using eager.", stacklevel=2
+        )
+        compile_sampling = False
+    extra = [cb for cb in (callbacks or []) if not isinstance(cb, MaskAnnealCallback)]
     trainer = Trainer(
         model=mask_model,
         args=args,
         train_dataset=train_dataset,
         data_collator=default_data_collator,
-        callbacks=[MaskAnnealCallback(), *(callbacks or [])],
+        callbacks=[MaskAnnealCallback(), *extra],
     )
     previous = set_compiled_sampling(compile_sampling)
     try:

@@ -44,6 +44,13 @@ def main(out: str) -> None:
         {f"{k}.logits": layer.mask_logits.detach() for k, layer in mask_model.masked_layers().items()}
     )
     tensors["world_size"] = torch.tensor(torch.distributed.get_world_size())
+    # the same global seed on every rank (as the Trainer sets it), yet each rank's Gumbel noise is its own
+    from hf_maskllm.adapters.sampling import sample_soft_mask
+    from hf_maskllm.patterns import candidate_patterns
+
+    torch.manual_seed(0)
+    noise_probe = sample_soft_mask(torch.zeros(64, 6), candidate_patterns(2, 4), 1.0, 1.0)
+    save_file({"noise_probe": noise_probe}, f"{out}/probe{rank}.safetensors")
     save_file(tensors, f"{out}/rank{rank}.safetensors")
 
 

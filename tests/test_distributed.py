@@ -35,6 +35,8 @@ def test_ddp_two_processes_agree(tmp_path):
     assert ranks[0].keys() == ranks[1].keys()
     for key in ranks[0]:
         assert torch.equal(ranks[0][key], ranks[1][key]), key
+    probes = [load_file(tmp_path / f"probe{r}.safetensors")["noise_probe"] for r in (0, 1)]
+    assert not torch.equal(probes[0], probes[1])  # each rank samples its own masks
     # and training moved the logits away from their (shared) initialisation
     from models import tiny_llama
 

@@ -119,3 +119,23 @@ def test_compiled_sampling_matches_eager():
     # inductor reorders float32 reductions: a few ulps (of the gradient's scale kappa / tau = 75 for the grads)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits.grad, eager_grad, rtol=1e-4, atol=75 * 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_math_under_autocast_and_16_bit_logit_gradients(dtype):
+    torch.manual_seed(0)
+    cand = candidate_patterns(2, 4)
+    base = torch.randn(64, 6) * 0.05
+    upstream = torch.randn(64, 4)
+    ref_logits = base.clone().requires_grad_()
+    ref = sampling.sample_soft_mask(ref_logits, cand, 2.0, 100.0, seed=4)
+    (ref * upstream).sum().backward()
+    with torch.autocast("cpu", dtype=dtype):
+        out = sampling.sample_soft_mask(base.clone(), cand, 2.0, 100.0, seed=4)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref)
+    low = base.to(dtype).requires_grad_()
+    (sampling.sample_soft_mask(low, cand, 2.0, 100.0, seed=4) * upstream).sum().backward()
+    assert low.grad.dtype == dtype
+    # the 16-bit logits themselves are rounded (the forward differs slightly): compare loosely, at the grad scale 50
+    torch.testing.assert_close(low.grad.float(), ref_logits.grad, rtol=0.1, atol=0.05 * 50)

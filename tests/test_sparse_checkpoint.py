@@ -221,15 +221,33 @@ def test_load_rejects_future_version_and_corrupt_meta(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
 
 
-@pytest.mark.parametrize("part", ["values", "meta"])
-def test_load_rejects_missing_tensor(tmp_path, part):
+@pytest.mark.parametrize(
+    "kind,module,part",
+    [
+        ("llama", "model.layers.0.mlp.down_proj", "values"),
+        ("llama", "model.layers.0.mlp.down_proj", "meta"),
+        ("qwen2", "model.layers.0.self_attn.q_proj", "bias"),
+    ],
+)
+def test_load_rejects_missing_tensor(tmp_path, kind, module, part):
     """transformers alone would fill a missing tensor with uninitialised memory and only warn."""
-    save_compressed(merged_model("llama"), tmp_path / "c")
+    save_compressed(merged_model(kind), tmp_path / "c")
     tensors = load_file(tmp_path / "c" / "model.safetensors")
-    del tensors[f"model.layers.0.mlp.down_proj.{part}"]
+    del tensors[f"{module}.{part}"]
     save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"down_proj.{part}"):
+    with pytest.raises(CheckpointError, match=f"{module}.{part}"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_compressed(merged_model("llama"), tmp_path / "c")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "c").iterdir()}
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o755
+    assert set(modes.values()) == {0o644}, modes
 
 
 def test_load_rejects_non_finite_values(tmp_path):

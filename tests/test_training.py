@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from models import single_thread, tiny_llama  # noqa: F401  (single_thread is an autouse fixture)
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_maskllm import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskModel, get_mask_model
+from hf_maskllm import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskLLMError, MaskModel, get_mask_model
 from hf_maskllm.adapters.schedules import schedule_value
 from hf_maskllm.patterns import candidate_patterns
 
@@ -341,3 +343,26 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     # steps 6-10 changed the logits, so the equality above is not trivial
     name = full.masked_names[0]
     assert not torch.allclose(saved[f"base_model.{name}.mask_logits"], full.masked_layers()[name].mask_logits)
+
+
+def test_regulariser_divisor_covers_accumulation_and_processes():
+    """With num_items_in_batch the Trainer multiplies the loss by the process count (average_tokens_across_devices)
+    and stops dividing by the accumulation steps: the callback's divisor undoes both."""
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    state = SimpleNamespace(global_step=0, max_steps=10)
+    for world, average, accum, expected in [(2, True, 3, 6), (2, False, 3, 3), (1, True, 4, 4)]:
+        args = SimpleNamespace(
+            n_gpu=1,
+            world_size=world,
+            average_tokens_across_devices=average,
+            gradient_accumulation_steps=accum,
+        )
+        MaskAnnealCallback(log_mask_stats=False).on_train_begin(args, state, None, model=mm)
+        assert mm.grad_accum_steps == expected
+
+
+def test_data_parallel_is_refused_with_a_clear_error():
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    args = SimpleNamespace(n_gpu=2, world_size=1, gradient_accumulation_steps=1)
+    with pytest.raises(MaskLLMError, match="DataParallel"):
+        MaskAnnealCallback().on_train_begin(args, SimpleNamespace(global_step=0, max_steps=1), None, model=mm)

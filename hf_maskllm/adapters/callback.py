@@ -79,6 +79,12 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         mask_model = find_mask_model(model)
+        if getattr(args, "n_gpu", 1) > 1:
+            raise MaskLLMError(
+                f"The Trainer would wrap the model in nn.DataParallel over {args.n_gpu} GPUs, which MaskModel does "
+                "not support. Launch one process per GPU instead (torchrun or accelerate launch: DDP / FSDP), or "
+                "make one GPU visible (CUDA_VISIBLE_DEVICES=0)."
+            )
         # With num_items_in_batch the Trainer neither divides the loss by the accumulation steps nor (with
         # average_tokens_across_devices) leaves it per process: it multiplies it by the process count before
         # DDP averages. The regulariser rides in that loss, so undo both to keep its weight per update fixed.

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 __all__ = ["is_hub_repo_id", "mask_model_card"]
 
 
 def is_hub_repo_id(name: str) -> bool:
-    """``user/name`` with no path-like parts: what a card's ``base_model`` field may hold."""
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
+    """``name`` or ``user/name`` that is not an existing local path: what a card's ``base_model`` may hold."""
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith((".", "-")) or ".." in name:
+        return False
+    return not Path(name).expanduser().exists()
 
 
 def mask_model_card(

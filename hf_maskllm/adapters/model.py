@@ -113,6 +113,7 @@ class MaskModel(nn.Module):
         for layer in self.masked_layers().values():
             layer.track_sparse_reg = track
             layer.last_sparse_reg = None
+        self.last_sparse_reg_term = None
         scaled_for_accumulation = kwargs.get("num_items_in_batch") is not None
         outputs = self.base_model(*args, **kwargs)
         if track and getattr(outputs, "loss", None) is not None:
@@ -126,7 +127,9 @@ class MaskModel(nn.Module):
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
                 # accumulation steps (and multiplies by the process count), so the callback sets the divisor.
                 divisor = self.grad_accum_steps if scaled_for_accumulation else 1
-                term = -self.sparse_reg_weight * torch.stack(regs).sum()
+                term = -self.sparse_reg_weight * sum(
+                    r.to(outputs.loss.device) for r in regs
+                )  # any device_map
                 self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
                 outputs.loss = outputs.loss + term.to(outputs.loss.dtype) / divisor
             for layer in self.masked_layers().values():

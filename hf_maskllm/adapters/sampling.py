@@ -66,7 +66,8 @@ class _GumbelMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, candidates, tau, kappa, hard, seed):
         u = _uniform(logits.shape, seed, logits.device)
-        mask = _fn("fwd")(logits, u, tau, kappa, candidates, hard)
+        with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
+            mask = _fn("fwd")(logits, u, tau, kappa, candidates, hard)
         ctx.save_for_backward(logits, candidates)
         ctx.tau, ctx.kappa, ctx.seed = tau, kappa, seed
         return mask
@@ -75,7 +76,8 @@ class _GumbelMask(torch.autograd.Function):
     def backward(ctx, grad_mask):
         logits, candidates = ctx.saved_tensors
         u = _uniform(logits.shape, ctx.seed, logits.device)
-        grad = _fn("bwd")(grad_mask, logits, u, ctx.tau, ctx.kappa, candidates)
+        with torch.autocast(logits.device.type, enabled=False):
+            grad = _fn("bwd")(grad_mask, logits, u, ctx.tau, ctx.kappa, candidates)
         return grad.to(logits.dtype), None, None, None, None, None
 
 

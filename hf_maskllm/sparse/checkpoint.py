@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..adapters.card import is_hub_repo_id
 from ..errors import CheckpointError, NMViolationError, TargetError
 from ..modules import dense_weight_view, is_conv1d, output_embedding_names
 from ..patterns import check_nm_args, count_nm_violations
@@ -92,7 +93,7 @@ def _model_card(
     extra = dict(extra or {})
     base = str(extra.pop("base_model", base))
     lines = ["---", "library_name: transformers", "tags:", "- hf_maskllm", "- sparsity", f"- {n}:{m}"]
-    if base and not os.path.isabs(base) and base.count("/") == 1:
+    if base and is_hub_repo_id(base):
         lines.append(f"base_model: {base}")
     lines += ["---", "", f"# {n}:{m} sparse model (hf_maskllm)", ""]
     lines.append(

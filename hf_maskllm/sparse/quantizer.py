@@ -99,8 +99,8 @@ class NMSparseHfQuantizer(HfQuantizer):
     def update_ep_plan(self, config: Any) -> Any:
         return self._drop_marker(config)
 
-    def _check_checkpoint_keys(self, checkpoint_files: list[str] | None) -> None:
-        """Every listed module must have its ``values`` and ``meta`` in the files (headers only are read).
+    def _check_checkpoint_keys(self, checkpoint_files: list[str] | None, model: torch.nn.Module) -> None:
+        """Every listed module must have its ``values``, ``meta`` (and ``bias``) in the files (headers only).
 
         transformers would otherwise fill a missing tensor with uninitialised memory and only warn.
         """
@@ -115,12 +115,18 @@ class NMSparseHfQuantizer(HfQuantizer):
                     keys.update(f.keys())
         if not keys:
             return
-        missing = [
-            f"{name}.{part}"
-            for name in self.quantization_config.modules
-            for part in ("values", "meta")
-            if f"{name}.{part}" not in keys
-        ]
+        prefix = f"{getattr(model, 'base_model_prefix', '')}."
+        missing = []
+        for name in self.quantization_config.modules:
+            parts = ["values", "meta"]
+            for local in (name, name.removeprefix(prefix)):
+                try:
+                    if getattr(model.get_submodule(local), "bias", None) is not None:
+                        parts.append("bias")
+                    break
+                except AttributeError:
+                    continue
+            missing += [f"{name}.{part}" for part in parts if f"{name}.{part}" not in keys]
         if missing:
             raise CheckpointError(
                 f"The compressed checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}; the files are "
@@ -129,7 +135,7 @@ class NMSparseHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         cfg = self.quantization_config
-        self._check_checkpoint_keys(kwargs.get("checkpoint_files"))
+        self._check_checkpoint_keys(kwargs.get("checkpoint_files"), model)
         prefix = f"{getattr(model, 'base_model_prefix', '')}."
         for name in cfg.modules:
             local = name
