@@ -44,9 +44,10 @@ LOADER = textwrap.dedent(
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
         t_base = 0.0
     # read every tensor once: safetensors maps files lazily, so untouched weights are not yet resident
-    checksum = sum(float(t.float().sum()) for t in model.state_dict().values())
+    tensors = list(model.parameters()) + list(model.buffers())  # MaskModel.state_dict() holds only logits
+    checksum = sum(float(t.detach().float().sum()) for t in tensors)
     seconds = time.perf_counter() - start
-    footprint = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    footprint = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"seconds": seconds, "base_seconds": t_base, "rss_mb": rss_mb() - rss0,
                       "peak_mb": peak - peak0, "footprint_mb": footprint}))
