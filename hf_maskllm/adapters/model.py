@@ -127,9 +127,8 @@ class MaskModel(nn.Module):
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
                 # accumulation steps (and multiplies by the process count), so the callback sets the divisor.
                 divisor = self.grad_accum_steps if scaled_for_accumulation else 1
-                term = -self.sparse_reg_weight * sum(
-                    r.to(outputs.loss.device) for r in regs
-                )  # any device_map
+                total = sum(r.to(outputs.loss.device) for r in regs)  # layers may sit on several devices
+                term = -self.sparse_reg_weight * total
                 self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
                 outputs.loss = outputs.loss + term.to(outputs.loss.dtype) / divisor
             for layer in self.masked_layers().values():
@@ -291,7 +290,7 @@ class MaskModel(nn.Module):
             if not bool(torch.isfinite(layer.mask_logits).all()):
                 raise MaskLLMError(f"Logits of {name} contain NaN or inf; refusing to save a corrupt mask.")
         indices = {name: idx.cpu() for name, idx in self.hard_indices().items()}
-        # Invariant: what is written is exactly N:M (candidates are N:M by construction; check the indices).
+        # Exactly N:M by construction: a mask is stored as candidate indices, and every candidate is N:M.
         write_masks(
             folder / MASKS_NAME,
             indices,
