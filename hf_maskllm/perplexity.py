@@ -8,6 +8,7 @@ its own; perplexity is ``exp`` of the mean next-token NLL over every predicted t
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -30,12 +31,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        out = model(input_ids=input_ids, use_cache=False)
-    else:  # any wrapper whose forward takes input_ids
-        out = model(input_ids=input_ids)
+    try:
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    # no KV cache for scoring (wrappers such as MaskModel show the base model's signature)
+    out = model(input_ids=input_ids, use_cache=False) if takes_cache else model(input_ids=input_ids)
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if logits is None:
         raise DataError(
