@@ -394,3 +394,35 @@ def test_errors():
     model.model.layers[0].mlp.down_proj = nn.Linear(36, 64)  # 36 inputs: divisible by 4, not by 8
     with pytest.raises(TargetError, match="not divisible by m=8"):
         compute_prior_masks(model, "magnitude", 4, 8, ["model.layers.0.mlp.down_proj"])
+
+
+class _CharTokenizer:
+    """Characters as token ids (< 128): enough to calibrate a tiny model on real text."""
+
+    def __call__(self, text, return_tensors=None, verbose=True):
+        ids = [min(ord(c), 127) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_get_mask_model_calibrates_from_texts_and_starts_at_the_prior(method):
+    """get_mask_model(prior=..., calibration_data=texts, tokenizer=...): the initial hard masks are the prior."""
+    from hf_maskllm import MaskConfig, get_mask_model
+    from hf_maskllm.data import calibration_tokens
+    from hf_maskllm.errors import ConfigError
+
+    texts = [f"Article {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(8)]
+    config = MaskConfig(prior=method, calibration_samples=4, calibration_seqlen=64, seed=3)
+    tokens = calibration_tokens(texts, _CharTokenizer(), num_samples=4, seqlen=64, seed=3)
+    model = tiny_llama()
+    names = [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
+    expected = compute_prior_masks(model, method, 2, 4, names, calibration=tokens, progress=False)
+    mask_model = get_mask_model(model, config, calibration_data=texts, tokenizer=_CharTokenizer())
+    got = mask_model.hard_masks()
+    assert set(got) == set(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    with pytest.raises(ConfigError, match="tokenizer"):
+        get_mask_model(tiny_llama(), MaskConfig(prior=method), calibration_data=texts)
+    with pytest.raises(ConfigError, match="calibration"):
+        get_mask_model(tiny_llama(), MaskConfig(prior=method))
