@@ -120,7 +120,7 @@ def learn(args: argparse.Namespace) -> dict:
     calibration = None
     if prior in ("wanda", "sparsegpt"):
         calibration = calibration_tokens(
-            "wikipedia:train",
+            args.train_data,
             tokenizer,
             num_samples=args.calib_samples,
             seqlen=args.calib_seqlen,
