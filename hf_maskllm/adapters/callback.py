@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import MaskLLMError
+from ..patterns import candidate_patterns
 from .model import MaskModel
 from .sampling import max_probability
 from .schedules import schedule_value
@@ -106,8 +107,6 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         cfg = mask_model.mask_config
         layers = mask_model.masked_layers()
         changed, total, prob_sum, groups = 0, 0, 0.0, 0
-        from ..patterns import candidate_patterns
-
         for name, layer in layers.items():
             current = layer.mask_logits.argmax(dim=-1)
             previous = self._previous.get(name)
