@@ -75,9 +75,10 @@ def learn_mask(
     if "fp16" not in training_args:
         settings["bf16"] = bf16
     args = TrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
-    if compile_sampling and not use_cuda and shutil.which("cc") is None and shutil.which("gcc") is None:
+    if compile_sampling and not use_cuda and shutil.which("c++") is None and shutil.which("g++") is None:
         warnings.warn(
-            "No C compiler found: torch.compile cannot fuse mask sampling; using eager.", stacklevel=2
+            "No C++ compiler found: torch.compile cannot fuse mask sampling on CPU; using eager.",
+            stacklevel=2,
         )
         compile_sampling = False
     extra = [cb for cb in (callbacks or []) if not isinstance(cb, MaskAnnealCallback)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +17,8 @@ HERE = Path(__file__).parent
 @pytest.mark.slow
 def test_ddp_two_processes_agree(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    with socket.socket() as sock:  # a free port for the rendezvous (torchrun's port 0 hangs here)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    # --standalone: torchrun picks a free local port for its own rendezvous
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     result = subprocess.run(
         [*cmd, str(HERE / "ddp_train.py"), str(tmp_path)],
         env=env,
@@ -29,7 +26,7 @@ def test_ddp_two_processes_agree(tmp_path):
         text=True,
         timeout=180,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
     assert int(ranks[0]["world_size"]) == 2
     assert ranks[0].keys() == ranks[1].keys()

@@ -36,6 +36,12 @@ def find_mask_model(model: nn.Module | None) -> MaskModel:
     )
 
 
+def _hamming(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """``[C, C]``: how many of the m positions differ between two candidates."""
+    cand = candidate_patterns(n, m, device=device)
+    return (cand[:, None, :] != cand[None, :, :]).sum(dim=-1)
+
+
 class MaskAnnealCallback(TrainerCallback, ExportableState):
     """Anneal the Gumbel temperature ``tau`` and the logit scale ``kappa`` (schedules from the MaskConfig).
 
@@ -105,25 +111,29 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             return
         mask_model = find_mask_model(model)
         cfg = mask_model.mask_config
-        layers = mask_model.masked_layers()
-        changed, total, prob_sum, groups = 0, 0, 0.0, 0
-        for name, layer in layers.items():
+        # The softmax over every group is the costly statistic: only when this step is logged (or last).
+        with_prob = control.should_log or state.global_step >= state.max_steps
+        changed, total, prob_sum, groups = None, 0, None, 0
+        for name, layer in mask_model.masked_layers().items():
             current = layer.mask_logits.argmax(dim=-1)
             previous = self._previous.get(name)
             if previous is not None and previous.shape == current.shape:
-                cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool, device=current.device)
-                changed += int((cand[previous] != cand[current]).sum())
+                flips = _hamming(cfg.n, cfg.m, current.device)[
+                    previous, current
+                ].sum()  # weights that changed
+                changed = flips if changed is None else changed + flips
                 total += current.numel() * cfg.m
             self._previous[name] = current
-            prob_sum += (
-                float(max_probability(layer.mask_logits, self.kappa or cfg.kappa[0])) * current.numel()
-            )
+            if with_prob:
+                prob = max_probability(layer.mask_logits, self.kappa or cfg.kappa[0]) * current.numel()
+                prob_sum = prob if prob_sum is None else prob_sum + prob
             groups += current.numel()
-        if total:
-            self.last_flip_rate = changed / total
+        if total:  # one host sync per statistic, not one per layer
+            self.last_flip_rate = float(changed) / total
             self.flip_rate_sum += self.last_flip_rate
             self.flip_rate_count += 1
-        self.last_max_prob = prob_sum / max(groups, 1)
+        if prob_sum is not None:
+            self.last_max_prob = float(prob_sum) / max(groups, 1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:

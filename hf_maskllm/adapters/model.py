@@ -110,18 +110,15 @@ class MaskModel(nn.Module):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the base model; in training add the sparse weight regulariser to ``loss``."""
         track = self.training and self.sparse_reg_weight > 0
-        for layer in self.masked_layers().values():
+        layers = list(self.masked_layers().values())
+        for layer in layers:
             layer.track_sparse_reg = track
             layer.last_sparse_reg = None
         self.last_sparse_reg_term = None
         scaled_for_accumulation = kwargs.get("num_items_in_batch") is not None
         outputs = self.base_model(*args, **kwargs)
         if track and getattr(outputs, "loss", None) is not None:
-            regs = [
-                layer.last_sparse_reg
-                for layer in self.masked_layers().values()
-                if layer.last_sparse_reg is not None
-            ]
+            regs = [layer.last_sparse_reg for layer in layers if layer.last_sparse_reg is not None]
             if regs:
                 # -lambda * (1 - t/T) * sum ||W * mask||^2 (REFERENCE section 1). When the Trainer normalises the
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
@@ -131,7 +128,7 @@ class MaskModel(nn.Module):
                 term = -self.sparse_reg_weight * total
                 self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
                 outputs.loss = outputs.loss + term.to(outputs.loss.dtype) / divisor
-            for layer in self.masked_layers().values():
+            for layer in layers:
                 layer.last_sparse_reg = None
         return outputs
 
