@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -27,6 +27,7 @@ from transformers import (
 import hf_maskllm.sparse  # noqa: F401  (registers the loader)
 from hf_maskllm.errors import CheckpointError, NMViolationError, TargetError
 from hf_maskllm.sparse import SparseLinear, find_nm_modules, save_compressed
+from hf_maskllm.sparse.checkpoint import write_checkpoint_file
 
 VOCAB = 128
 
@@ -216,7 +217,7 @@ def test_load_rejects_future_version_and_corrupt_meta(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     tensors = load_file(tmp_path / "c" / "model.safetensors")
     tensors["model.layers.0.mlp.down_proj.meta"][0, 0] = 0b00_00_01_01  # group 0 positions 1, 1
-    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint_file(tensors, tmp_path / "c" / "model.safetensors")
     with pytest.raises(CheckpointError, match="down_proj"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
 
@@ -234,7 +235,7 @@ def test_load_rejects_missing_tensor(tmp_path, kind, module, part):
     save_compressed(merged_model(kind), tmp_path / "c")
     tensors = load_file(tmp_path / "c" / "model.safetensors")
     del tensors[f"{module}.{part}"]
-    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint_file(tensors, tmp_path / "c" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{module}.{part}"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
 
@@ -254,9 +255,20 @@ def test_load_rejects_non_finite_values(tmp_path):
     save_compressed(merged_model("llama"), tmp_path / "c")
     tensors = load_file(tmp_path / "c" / "model.safetensors")
     tensors["model.layers.1.self_attn.q_proj.values"][3, 5] = float("nan")
-    save_file(tensors, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint_file(tensors, tmp_path / "c" / "model.safetensors")
     with pytest.raises(CheckpointError, match="q_proj.values holds NaN"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+
+
+def run_without_hf_maskllm(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh offline Python where hf_maskllm is not importable from the path or the cwd.
+
+    The script should end with ``assert "hf_maskllm" not in sys.modules``; a failing script fails the test.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
 
 
 def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
@@ -285,11 +297,7 @@ def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
         assert "hf_maskllm" not in sys.modules
         """
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_without_hf_maskllm(script, tmp_path)
     assert "COMPRESSED-ERROR: ValueError" in out.stdout and "import hf_maskllm" in out.stdout, out.stdout
     logits = load_file(tmp_path / "logits.safetensors")["logits"]
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)

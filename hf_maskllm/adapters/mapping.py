@@ -16,7 +16,7 @@ from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
 from ..serialization import resolve_folder
 from .config import CONFIG_NAME, MaskConfig
-from .mask_file import MASKS_NAME, read_masks
+from .mask_file import MASKS_NAME, load_mask_config, read_masks
 from .model import MaskModel
 from .targets import find_targets
 
@@ -88,7 +88,7 @@ def _saved_mask_prior(model: nn.Module, config: MaskConfig, targets: list[str]) 
     folder = resolve_folder(
         config.prior, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
     )
-    saved = MaskConfig.from_pretrained(folder)
+    saved = load_mask_config(folder)
     if (saved.n, saved.m) != (config.n, config.m):
         raise MaskFileError(
             f"Prior mask {config.prior!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "

@@ -12,20 +12,27 @@ import os
 import tempfile
 import types
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError, MaskFileError, MaskLLMError
+from ..errors import ConfigError, MaskFileError, MaskLLMError, NMViolationError, TargetError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns, mask_to_indices
-from ..serialization import atomic_write, resolve_folder
+from ..serialization import atomic_folder, atomic_write, resolve_folder
 from .card import mask_model_card
 from .config import CONFIG_NAME, MaskConfig
 from .layer import MaskedLinear
-from .mask_file import LOGITS_NAME, MASKS_NAME, read_logits, read_masks, write_logits, write_masks
+from .mask_file import (
+    LOGITS_NAME,
+    MASKS_NAME,
+    load_mask_config,
+    read_logits,
+    read_masks,
+    write_logits,
+    write_masks,
+)
 from .packing import bits_per_weight
 from .targets import find_targets
 
@@ -279,32 +286,34 @@ class MaskModel(nn.Module):
         if kwargs:
             raise ConfigError(f"Unexpected arguments for a mask save: {sorted(kwargs)}.")
         self._check_not_merged()
-        folder = Path(save_directory)
-        folder.mkdir(parents=True, exist_ok=True)
         layers = self.masked_layers()
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
         for name, layer in layers.items():
             if not bool(torch.isfinite(layer.mask_logits).all()):
-                raise MaskLLMError(f"Logits of {name} contain NaN or inf; refusing to save a corrupt mask.")
+                raise MaskLLMError(
+                    f"Logits of {name} contain NaN or inf (training diverged); refusing to save a corrupt mask. "
+                    "Resume from an earlier checkpoint with a lower learning rate."
+                )
         indices = {name: idx.cpu() for name, idx in self.hard_indices().items()}
-        # Exactly N:M by construction: a mask is stored as candidate indices, and every candidate is N:M.
-        write_masks(
-            folder / MASKS_NAME,
-            indices,
-            shapes,
-            self.mask_config.n,
-            self.mask_config.m,
-            self.training_summary,
-        )
-        if save_logits:
-            write_logits(
-                folder / LOGITS_NAME, {n: layer.mask_logits.detach().cpu() for n, layer in layers.items()}
+        # The whole folder is built beside the target and swapped in at once: a crash leaves the previous
+        # save intact, and stale logits of an earlier save never sit beside the new masks.
+        with atomic_folder(save_directory, drop=lambda name: name == LOGITS_NAME, last=CONFIG_NAME) as folder:
+            # write_masks verifies the N:M invariant (one candidate index in [0, C) per group) first.
+            write_masks(
+                folder / MASKS_NAME,
+                indices,
+                shapes,
+                self.mask_config.n,
+                self.mask_config.m,
+                self.training_summary,
             )
-        elif (folder / LOGITS_NAME).exists():
-            os.unlink(folder / LOGITS_NAME)  # stale logits of an earlier save would contradict the new mask
-        self.mask_config.save_pretrained(folder)
-        with atomic_write(folder / "README.md", "w") as f:
-            f.write(mask_model_card(**self._card_fields()))
+            if save_logits:
+                write_logits(
+                    folder / LOGITS_NAME, {n: layer.mask_logits.detach().cpu() for n, layer in layers.items()}
+                )
+            self.mask_config.save_pretrained(folder)
+            with atomic_write(folder / "README.md", "w") as f:
+                f.write(mask_model_card(**self._card_fields()))
 
     def _card_fields(self) -> dict[str, Any]:
         cfg = self.mask_config
@@ -342,13 +351,16 @@ class MaskModel(nn.Module):
         revision: str | None = None,
         **save_kwargs: Any,
     ) -> str:
-        """Save to a temporary folder and upload it to the Hub repo ``repo_id``; returns the commit URL."""
+        """Save to a temporary folder and upload it to the Hub repo ``repo_id``; returns the commit URL.
+
+        The save (and its N:M verification) completes before the repo is created; the upload is one commit.
+        """
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, **save_kwargs)
+            api.create_repo(repo_id, private=private, exist_ok=True)
             info = api.upload_folder(
                 repo_id=repo_id, folder_path=tmp, commit_message=commit_message, revision=revision
             )
@@ -376,9 +388,23 @@ class MaskModel(nn.Module):
             "mask folder",
             revision,
         )
-        config = MaskConfig.from_pretrained(folder)
+        config = load_mask_config(folder)
+        if not -(2**63) <= config.seed < 2**64:  # torch.Generator.manual_seed's range
+            raise MaskFileError(
+                f"{folder / CONFIG_NAME}: seed={config.seed} is outside [-2**63, 2**64); the file is corrupt. "
+                "Fix the field or save the mask again."
+            )
         load_config = MaskConfig.from_dict({**config.to_dict(), "prior": None})
-        targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, strict=False)
+        try:
+            targets = find_targets(
+                model, config.target_modules, config.exclude_modules, config.m, strict=False
+            )
+        except TargetError as e:
+            raise MaskFileError(
+                f"mask folder {folder}: its target_modules / exclude_modules select no layer of this "
+                f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
+                "learned on."
+            ) from None
         shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
         indices, summary = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
         mask_model = cls(model, load_config, targets)
@@ -393,12 +419,26 @@ class MaskModel(nn.Module):
             restored = mask_model.hard_indices()
             if any(not torch.equal(restored[k].cpu(), indices[k]) for k in indices):
                 raise MaskFileError(
-                    f"{folder}: the saved logits disagree with the saved hard masks; the folder is corrupt."
+                    f"{folder}: the saved logits disagree with the saved hard masks; the folder is corrupt. Save the "
+                    f"mask again, or delete {LOGITS_NAME} to load the hard masks alone."
                 )
         else:
             cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
             masks = {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}
             mask_model.apply_prior(masks, strength=max(config.prior_strength, 1.0))
+            # Verify after reading: the model now holds exactly the saved (N:M) hard masks.
+            restored = mask_model.hard_indices()
+            layers = mask_model.masked_layers()
+            if any(
+                not bool(torch.isfinite(layers[k].mask_logits).all())
+                or not torch.equal(restored[k].cpu(), indices[k])
+                for k in indices
+            ):
+                raise MaskFileError(
+                    f"{folder / CONFIG_NAME}: rebuilding logits from the saved hard masks with init_std="
+                    f"{config.init_std}, prior_strength={config.prior_strength}, logits_dtype={config.logits_dtype} "
+                    "overflows; the config is corrupt. Fix these fields or save the mask again."
+                )
         if not is_trainable:
             for layer in mask_model.masked_layers().values():
                 layer.mask_logits.requires_grad_(False)
@@ -435,8 +475,19 @@ class MaskModel(nn.Module):
                 setattr(self.base_model.get_submodule(parent_name), child_name, layer)
 
     def merge_and_unload(self) -> nn.Module:
-        """Write ``W * hard_mask`` into every masked layer and return the plain transformers model."""
+        """Write ``W * hard_mask`` into every masked layer and return the plain transformers model.
+
+        Every hard mask is verified to keep at most ``n`` of each ``m`` inputs before any weight is written.
+        """
         layers = self.masked_layers()
+        n, m = self.mask_config.n, self.mask_config.m
+        for name, layer in layers.items():
+            kept = layer.hard_mask().reshape(-1, m).sum(dim=1)
+            if bool((kept > n).any()):
+                raise NMViolationError(
+                    f"The hard mask of {name} keeps more than {n} of {m} weights in {int((kept > n).sum())} groups; "
+                    "refusing to merge a mask that is not N:M. Its logits are corrupt: reload the mask."
+                )
         for name, layer in layers.items():
             parent_name, child_name = _split_name(name)
             setattr(self.base_model.get_submodule(parent_name), child_name, layer.merge())

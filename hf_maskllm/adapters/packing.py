@@ -74,8 +74,9 @@ def unpack_indices(packed: torch.Tensor, num_groups: int, num_candidates: int) -
     expected = packed_nbytes(num_groups, num_candidates)
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
         raise MaskFileError(
-            f"Packed mask has {packed.numel()} {packed.dtype} values, expected {expected} uint8 for "
-            f"{num_groups} groups; the file is corrupt or belongs to another model."
+            f"Packed mask is a {packed.dtype} tensor of shape {list(packed.shape)}, expected uint8 [{expected}] for "
+            f"{num_groups} groups; the file is corrupt or belongs to another model. Save the mask again, or load "
+            "it into the model it was learned on."
         )
     chunks = -(-num_groups // k)
     shifts = torch.arange(bits, dtype=torch.int64)
@@ -93,7 +94,8 @@ def unpack_indices(packed: torch.Tensor, num_groups: int, num_candidates: int) -
         values = (stream << shifts).sum(dim=1)
         if bool((values >= limit).any()):
             raise MaskFileError(
-                "Packed mask holds an out-of-range chunk; the file is corrupt, save it again."
+                f"Packed mask holds an out-of-range chunk (>= {num_candidates}**{k}): some group has no valid N:M "
+                "candidate; the file is corrupt, save it again."
             )
         digits = torch.empty(values.shape[0], k, dtype=torch.int64)
         for i in range(k):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +15,12 @@ from ..adapters.card import is_hub_repo_id
 from ..errors import CheckpointError, NMViolationError, TargetError
 from ..modules import dense_weight_view, is_conv1d, output_embedding_names
 from ..patterns import check_nm_args, count_nm_violations
-from ..serialization import current_umask
+from ..serialization import atomic_folder, tensor_checksums, verify_safetensors
 from .format import FORMAT_VERSION, compress
 from .linear import SparseLinear
-from .quantizer import LOAD_MARKER, QUANT_METHOD
+from .quantizer import CHECKSUM_KEY, LOAD_MARKER, QUANT_METHOD
 
-__all__ = ["find_nm_modules", "save_compressed"]
+__all__ = ["find_nm_modules", "save_compressed", "write_checkpoint_file"]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -125,50 +123,32 @@ def _model_card(
     return "\n".join(lines) + "\n"
 
 
+def write_checkpoint_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write one weight file of a compressed checkpoint: safetensors with a CRC-32 per tensor in its metadata.
+
+    The file is read back and verified before this returns.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    metadata = {"format": "pt", CHECKSUM_KEY: json.dumps(tensor_checksums(tensors), sort_keys=True)}
+    save_file(tensors, str(path), metadata=metadata)
+    verify_safetensors(path, CHECKSUM_KEY, CheckpointError, "written weight file")
+
+
 def _write_shards(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_size: int | str) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(
         state_dict, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
     )
     for filename, names in split.filename_to_tensors.items():
-        save_file(
-            {k: state_dict[k].contiguous() for k in names}, str(folder / filename), metadata={"format": "pt"}
-        )
+        write_checkpoint_file({k: state_dict[k] for k in names}, folder / filename)
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(
             json.dumps(index, indent=2, sort_keys=True) + "\n"
         )
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Move the finished folder ``tmp`` to ``target``: one rename, or per-file atomic replaces."""
-    for path in tmp.iterdir():  # durable, and readable as the umask says, before they become visible
-        os.chmod(path, 0o666 & ~current_umask())
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    if not target.is_dir():
-        raise CheckpointError(f"{target} exists and is not a folder; pick another save_directory.")
-    new = {p.name for p in tmp.iterdir()}
-    stale = [
-        p
-        for p in target.iterdir()
-        if p.name.startswith("model") and ".safetensors" in p.name and p.name not in new
-    ]
-    # Old config.json out first, new one in last: in between the folder has no config and fails to load
-    # loudly, so old weights never pair with a new config (or the reverse) after a crash.
-    if (target / "config.json").exists():
-        os.unlink(target / "config.json")
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(path, target / path.name)  # tmp is beside target: same filesystem, atomic
-    for path in stale:
-        path.unlink()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_compressed(
@@ -189,6 +169,9 @@ def save_compressed(
     checkpoint (zeros kept, no ``quantization_config``). Otherwise the listed layers are stored as
     ``P.values`` / ``P.meta`` (see :mod:`hf_maskllm.sparse.format`), reloadable after
     ``import hf_maskllm`` with ``AutoModelForCausalLM.from_pretrained``. Returns the module names.
+
+    The folder is built beside ``save_directory`` and swapped in at once (see
+    :func:`hf_maskllm.serialization.atomic_folder`): a crash leaves the previous save complete.
     """
     check_nm_args(n, m)
     if modules is None:
@@ -210,22 +193,36 @@ def save_compressed(
             "module.to_dense() first, or save compressed (dense=False)."
         )
 
+    if not dense:
+        _check_finite(model, modules)
     target = Path(save_directory).expanduser().resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders; follow the umask
-    try:
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a folder; pick another save_directory.")
+
+    def stale(name: str) -> bool:  # weight files of an earlier save that the new one does not rewrite
+        return name.startswith("model") and ".safetensors" in name
+
+    with atomic_folder(target, drop=stale, last="config.json") as tmp:
         if dense:
             model.save_pretrained(tmp, max_shard_size=max_shard_size)
         else:
             _save_compressed_files(model, tmp, n, m, modules, max_shard_size, model_card)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return modules
+
+
+def _check_finite(model: nn.Module, modules: list[str]) -> None:
+    """Refuse NaN / inf in a module to be compressed: the loader rejects such values, so the save could never load."""
+    named = dict(model.named_modules())
+    for name in modules:
+        module = named[name]
+        weight = module.values if isinstance(module, SparseLinear) else dense_weight_view(module)
+        if not bool(torch.isfinite(weight.detach()).all()):
+            raise CheckpointError(
+                f"module {name!r} holds NaN or inf weights; refusing to write a checkpoint that cannot load. "
+                "Check the model (or the merged mask) and save again."
+            )
 
 
 def _save_compressed_files(

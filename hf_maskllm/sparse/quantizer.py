@@ -1,8 +1,10 @@
 """Teach ``from_pretrained`` the ``hf_maskllm_nm`` checkpoints (registered on ``import hf_maskllm.sparse``).
 
-Loading: the quantizer swaps every listed module for a :class:`SparseLinear` on the meta device
-before weights are read, transformers fills their ``values`` / ``meta`` buffers straight from
-the safetensors files (no dense copy), then every module is validated.
+Loading: the quantizer first verifies the weight files (safetensors only, every tensor's CRC-32,
+every tensor the model needs present with its shape), swaps every listed module for a
+:class:`SparseLinear` on the meta device, transformers fills their ``values`` / ``meta`` buffers
+straight from the safetensors files (no dense copy), then every module is validated (N:M positions,
+finite values).
 
 Without hf_maskllm: ``config.json`` carries ``transformers_weights`` set to :data:`LOAD_MARKER`,
 which plain transformers rejects with a ``ValueError`` that quotes it ("... import hf_maskllm
@@ -11,6 +13,8 @@ which plain transformers rejects with a ``ValueError`` that quotes it ("... impo
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +28,14 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
+from ..serialization import verify_safetensors
 from .format import FORMAT_VERSION, validate
 from .linear import SparseLinear
 
-__all__ = ["LOAD_MARKER", "QUANT_METHOD", "NMSparseConfig", "NMSparseHfQuantizer"]
+__all__ = ["CHECKSUM_KEY", "LOAD_MARKER", "QUANT_METHOD", "NMSparseConfig", "NMSparseHfQuantizer"]
 
 logger = logging.get_logger(__name__)
 
@@ -39,6 +44,8 @@ LOAD_MARKER = (
     "hf_maskllm-nm-compressed: this checkpoint stores N:M-compressed weights. "
     "Run `pip install hf_maskllm` and `import hf_maskllm` before from_pretrained to load it"
 )
+CHECKSUM_KEY = "hf_maskllm_crc32"  # safetensors metadata: JSON {tensor: CRC-32 of dtype, shape and bytes}
+_FIX = "config.json is corrupt or was edited; download or save the checkpoint again (save_compressed)."
 
 
 class NMSparseConfig(QuantizationConfigMixin):
@@ -59,21 +66,34 @@ class NMSparseConfig(QuantizationConfigMixin):
         **kwargs,
     ) -> None:
         self.quant_method = QUANT_METHOD
-        if not isinstance(format_version, int) or format_version < 1:
+        if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version < 1:
             raise CheckpointError(
-                f"quantization_config.format_version must be a positive int, got {format_version!r}."
+                f"quantization_config.format_version must be a positive int, got {format_version!r}; {_FIX}"
             )
         if format_version > FORMAT_VERSION:
             raise CheckpointError(
-                f"This checkpoint uses compressed N:M format version {format_version}, but this hf_maskllm reads "
+                f"This checkpoint uses compressed N:M format version {format_version} (config.json "
+                "quantization_config.format_version), but this hf_maskllm reads "
                 f"up to version {FORMAT_VERSION}. Upgrade hf_maskllm (`pip install -U hf_maskllm`)."
             )
-        check_nm_args(n, m)
-        if not isinstance(modules, list) or not modules or not all(isinstance(x, str) for x in modules):
-            raise CheckpointError("quantization_config.modules must be a non-empty list of module names.")
+        try:
+            check_nm_args(n, m)
+        except ConfigError as e:
+            raise CheckpointError(f"quantization_config: {e} {_FIX}") from None
+        if (
+            not isinstance(modules, list)
+            or not modules
+            or not all(isinstance(x, str) and x for x in modules)
+            or len(set(modules)) != len(modules)
+        ):
+            raise CheckpointError(
+                f"quantization_config.modules must be a non-empty list of distinct module names; {_FIX}"
+            )
         self.format_version, self.n, self.m, self.modules = format_version, n, m, list(modules)
         kwargs.pop("quant_method", None)
         for key, value in kwargs.items():  # keep extra informative fields (hf_maskllm_version, ...)
+            if hasattr(self, key):  # e.g. `to_dict`: would shadow a method transformers calls
+                raise CheckpointError(f"quantization_config has an invalid field {key!r}; {_FIX}")
             setattr(self, key, value)
 
 
@@ -84,7 +104,10 @@ class NMSparseHfQuantizer(HfQuantizer):
     quantization_config: NMSparseConfig
 
     def _drop_marker(self, config: Any) -> Any:
-        if getattr(config, "transformers_weights", None) == LOAD_MARKER:
+        # The marker only stops loaders that lack hf_maskllm. Any value that is not a weight file name (the
+        # marker, or the marker with a flipped byte) is dropped: the files are then found and verified as usual.
+        marker = getattr(config, "transformers_weights", None)
+        if isinstance(marker, str) and not marker.endswith((".safetensors", ".safetensors.index.json")):
             delattr(config, "transformers_weights")
         return config
 
@@ -99,43 +122,84 @@ class NMSparseHfQuantizer(HfQuantizer):
     def update_ep_plan(self, config: Any) -> Any:
         return self._drop_marker(config)
 
-    def _check_checkpoint_keys(self, checkpoint_files: list[str] | None, model: torch.nn.Module) -> None:
-        """Every listed module must have its ``values``, ``meta`` (and ``bias``) in the files (headers only).
-
-        transformers would otherwise fill a missing tensor with uninitialised memory and only warn.
-        """
+    def _verify_files(
+        self, checkpoint_files: list[str] | None
+    ) -> dict[str, tuple[str, list[int], int]] | None:
+        """Every weight file is safetensors with intact per-tensor checksums; returns ``{tensor: (dtype, shape, crc)}``."""
         if not checkpoint_files:
-            return
-        from safetensors import safe_open
-
-        keys: set[str] = set()
+            return None
+        self._source = str(Path(checkpoint_files[0]).parent)
+        entries: dict[str, tuple[str, list[int], int]] = {}
         for file in checkpoint_files:
-            if str(file).endswith(".safetensors"):
-                with safe_open(str(file), framework="pt") as f:
-                    keys.update(f.keys())
-        if not keys:
-            return
-        prefix = f"{getattr(model, 'base_model_prefix', '')}."
-        missing = []
-        for name in self.quantization_config.modules:
-            parts = ["values", "meta"]
-            for local in (name, name.removeprefix(prefix)):
-                try:
-                    if getattr(model.get_submodule(local), "bias", None) is not None:
-                        parts.append("bias")
-                    break
-                except AttributeError:
-                    continue
-            missing += [f"{name}.{part}" for part in parts if f"{name}.{part}" not in keys]
+            if not str(file).endswith(".safetensors"):
+                raise CheckpointError(
+                    f"weight file {file} is not a safetensors file; compressed N:M checkpoints are safetensors only "
+                    "and hf_maskllm never unpickles. Save the checkpoint again with save_compressed."
+                )
+            found, _ = verify_safetensors(file, CHECKSUM_KEY, CheckpointError, "weight file")
+            twice = sorted(set(found) & set(entries))
+            if twice:
+                raise CheckpointError(
+                    f"tensor(s) {twice[:3]} appear in several weight files; the checkpoint index is corrupt. "
+                    "Download or save the checkpoint again."
+                )
+            entries.update(found)
+        return entries
+
+    def _check_keys(self, entries: dict[str, tuple[str, list[int], int]], model: torch.nn.Module) -> None:
+        """Every tensor the model needs is in the files with its shape; no compressed tensor is left over.
+
+        transformers alone would fill a missing tensor with random values and only warn.
+        """
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # {target: source}
+        ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+
+        def lookup(key: str) -> str | None:
+            candidates = [key]
+            if prefix:
+                candidates += [f"{prefix}.{key}", key.removeprefix(f"{prefix}.")]
+            return next((c for c in candidates if c in entries), None)
+
+        for target, source in tied.items():
+            stored_target, stored_source = lookup(target), lookup(source)
+            if stored_target and stored_source and entries[stored_target][2] != entries[stored_source][2]:
+                raise CheckpointError(
+                    f"{self._source}: config.json ties {target} to {source} (tie_word_embeddings), but the checkpoint stores different "
+                    f"weights for them, so one would be silently dropped; {_FIX}"
+                )
+        used: set[str] = set()
+        missing, mismatched = [], []
+        for key, tensor in model.state_dict().items():
+            found = lookup(key)
+            if found is None:
+                if key not in tied and not any(p.search(key) for p in ignore):
+                    missing.append(key)
+                continue
+            used.add(found)
+            if list(tensor.shape) != entries[found][1]:
+                mismatched.append(f"{found} {entries[found][1]} (model: {list(tensor.shape)})")
         if missing:
             raise CheckpointError(
-                f"The compressed checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}; the files are "
-                "incomplete or corrupt. Download or save the checkpoint again."
+                f"{self._source}: the compressed checkpoint lacks {len(missing)} tensor(s) this {type(model).__name__} needs, e.g. "
+                f"{missing[:3]}; the files are incomplete, or config.json describes another model. Load it with "
+                "the model class it was saved from, or download or save the checkpoint again."
+            )
+        if mismatched:
+            raise CheckpointError(
+                f"{self._source}: {len(mismatched)} tensor(s) of the compressed checkpoint do not fit this {type(model).__name__}, "
+                f"e.g. {mismatched[:3]}; {_FIX}"
+            )
+        stray = sorted(k for k in set(entries) - used if k.endswith((".values", ".meta")))
+        if stray:
+            raise CheckpointError(
+                f"{self._source}: the checkpoint holds compressed tensors of modules that quantization_config.modules does not "
+                f"list: {stray[:3]}; {_FIX}"
             )
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         cfg = self.quantization_config
-        self._check_checkpoint_keys(kwargs.get("checkpoint_files"), model)
+        entries = self._verify_files(kwargs.get("checkpoint_files"))
         prefix = f"{getattr(model, 'base_model_prefix', '')}."
         for name in cfg.modules:
             local = name
@@ -149,14 +213,19 @@ class NMSparseHfQuantizer(HfQuantizer):
                 except AttributeError:
                     raise CheckpointError(
                         f"quantization_config lists module {name!r}, which this {type(model).__name__} lacks; "
-                        "load the checkpoint with the model class it was saved from (e.g. AutoModelForCausalLM)."
+                        "load the checkpoint with the model class it was saved from (config.json `architectures`)."
                     ) from None
             if not isinstance(module, torch.nn.Linear) and not is_conv1d(module):
                 raise CheckpointError(
                     f"quantization_config lists module {name!r}, a {type(module).__name__} in this model, not an "
-                    "nn.Linear / Conv1D; the checkpoint belongs to another architecture."
+                    f"nn.Linear / Conv1D; the checkpoint belongs to another architecture, or {_FIX}"
                 )
             out_features, in_features = dense_weight_view(module).shape
+            if in_features % cfg.m:
+                raise CheckpointError(
+                    f"quantization_config lists module {name!r}, whose in_features={in_features} in this model is "
+                    f"not divisible by m={cfg.m}; {_FIX}"
+                )
             dtype = module.weight.dtype
             parent_name, _, child = local.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -165,18 +234,31 @@ class NMSparseHfQuantizer(HfQuantizer):
                     in_features, out_features, cfg.n, cfg.m, module.bias is not None, dtype=dtype
                 )
             setattr(parent, child, sparse)
+        if entries is not None:
+            self._check_keys(entries, model)
         return model
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        """Verify after reading: every compressed module holds a well-formed N:M pair of finite values."""
         cfg = self.quantization_config
+        where = getattr(self, "_source", "the checkpoint")
         for name, module in model.named_modules():
             if isinstance(module, SparseLinear):
-                validate(
-                    module.values, module.meta, cfg.n, cfg.m, module.in_features, module.out_features, name
-                )
+                try:
+                    validate(
+                        module.values,
+                        module.meta,
+                        cfg.n,
+                        cfg.m,
+                        module.in_features,
+                        module.out_features,
+                        name,
+                    )
+                except CheckpointError as e:
+                    raise CheckpointError(f"{where}: {e}") from None
                 if not bool(torch.isfinite(module.values).all()):
                     raise CheckpointError(
-                        f"{name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
+                        f"{where}: {name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
                     )
         return model
 
