@@ -2,7 +2,7 @@
 
 Public API::
 
-    from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, check_nm
+    from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, MaskAdamW, check_nm
 """
 
 __version__ = "0.1.0"  # before the imports: submodules read it
@@ -10,9 +10,11 @@ __version__ = "0.1.0"  # before the imports: submodules read it
 from .adapters import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskModel, get_mask_model
 from .check import NMReport, check_nm
 from .errors import MaskLLMError
+from .optim import MaskAdamW
 from .sparse import SparseLinear, save_compressed  # registers the compressed format with transformers
 
 __all__ = [
+    "MaskAdamW",
     "MaskAnnealCallback",
     "MaskConfig",
     "MaskLLMError",

@@ -8,7 +8,6 @@ clip 1.0, tau and kappa annealed by :class:`MaskAnnealCallback`.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import warnings
 from typing import Any
@@ -18,7 +17,7 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 
 from .adapters.callback import MaskAnnealCallback
 from .adapters.model import MaskModel
-from .adapters.sampling import set_compiled_sampling
+from .optim import MaskAdamW, compiler_available
 
 __all__ = ["learn_mask"]
 
@@ -35,16 +34,19 @@ def learn_mask(
     bf16: bool | None = None,
     seed: int = 0,
     disable_tqdm: bool = False,
-    compile_sampling: bool = True,
+    compile_sampling: bool | None = None,
     callbacks: list[Any] | None = None,
+    optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
     **training_args: Any,
 ) -> Trainer:
     """Learn the masks of ``mask_model`` on ``train_dataset`` (``input_ids`` / ``labels`` columns).
 
     Returns the Trainer (its ``state.log_history`` holds loss, tau, kappa, flip rate, max prob).
-    ``compile_sampling`` fuses the mask sampling with ``torch.compile`` (on this project's CPU a
-    SmolLM2-135M masked forward + backward takes 5.3 s instead of 8.7 s, after a ~17 s compile; see
-    ``benchmarks/train_step.py``). ``callbacks`` are added after the built-in
+    The optimizer is :class:`~hf_maskllm.MaskAdamW` (betas (0.9, 0.95), weight decay 0.1 on the
+    logits); ``optimizer_cls_and_kwargs`` replaces it (as in ``Trainer``; e.g. ``(torch.optim.AdamW,
+    {"lr": 5e-4, "betas": (0.9, 0.95)})`` for the reference setting with fp32 logits).
+    ``compile_sampling`` fuses the mask sampling with ``torch.compile`` (default: when a compiler is
+    available; see ``benchmarks/train_step.py``). ``callbacks`` are added after the built-in
     :class:`MaskAnnealCallback` (one passed there is not added twice). Extra keyword arguments go to
     :class:`transformers.TrainingArguments` and override the recipe.
     """
@@ -75,24 +77,26 @@ def learn_mask(
     if "fp16" not in training_args:
         settings["bf16"] = bf16
     args = TrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
-    if compile_sampling and not use_cuda and shutil.which("c++") is None and shutil.which("g++") is None:
+    if compile_sampling and not compiler_available():
         warnings.warn(
             "No C++ compiler found: torch.compile cannot fuse mask sampling on CPU; using eager.",
             stacklevel=2,
         )
         compile_sampling = False
+    if optimizer_cls_and_kwargs is None:
+        optimizer_cls_and_kwargs = (
+            MaskAdamW,
+            {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+        )
     extra = [cb for cb in (callbacks or []) if not isinstance(cb, MaskAnnealCallback)]
     trainer = Trainer(
         model=mask_model,
         args=args,
         train_dataset=train_dataset,
         data_collator=default_data_collator,
-        callbacks=[MaskAnnealCallback(), *extra],
+        callbacks=[MaskAnnealCallback(compile_sampling=compile_sampling), *extra],
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
     )
-    previous = set_compiled_sampling(compile_sampling)
-    try:
-        trainer.train()
-    finally:
-        set_compiled_sampling(previous)
+    trainer.train()
     mask_model.eval()
     return trainer

@@ -87,7 +87,7 @@ def test_injection_replaces_targets_with_masked_linear(case):
         assert isinstance(layer.base_layer, nn.Linear) or is_conv1d(layer.base_layer)
         out_f, in_f = dense_weight_view(layer.base_layer).shape
         assert layer.mask_logits.shape == (out_f * in_f // m, c)
-        assert layer.mask_logits.dtype == torch.float32
+        assert layer.mask_logits.dtype == torch.bfloat16  # the default logits_dtype
     wrapped = [name for name, mod in base.named_modules() if isinstance(mod, MaskedLinear)]
     assert wrapped == mm.masked_names
     if case_id.startswith("gpt2"):  # GPT-2 really goes through the Conv1D path
@@ -397,7 +397,7 @@ def _random_nm_masks(mm: MaskModel, n: int, m: int, seed: int = 7) -> dict[str, 
 
 @pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4), (4, 8)])
 def test_apply_prior_makes_initial_hard_mask_equal_the_prior(n, m):
-    mm, _ = _build(tiny_llama, {"n": n, "m": m})
+    mm, _ = _build(tiny_llama, {"n": n, "m": m, "logits_dtype": "float32"})  # the rule checked to 1e-7
     prior = _random_nm_masks(mm, n, m)
     init = {name: layer.mask_logits.detach().clone() for name, layer in mm.masked_layers().items()}
     # the random prior is far from what a magnitude prior would give
@@ -438,7 +438,7 @@ def test_apply_prior_is_exact_with_16_bit_logits(n, m, dtype):
 
 
 def test_prior_rule_for_2_4_is_plus_minus_three_sigma():
-    mm, _ = _build(tiny_llama, {"target_modules": ["q_proj"]})
+    mm, _ = _build(tiny_llama, {"target_modules": ["q_proj"], "logits_dtype": "float32"})
     _, layer = _first_layer(mm)
     before = layer.mask_logits.detach().clone()
     prior = {

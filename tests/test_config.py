@@ -26,7 +26,7 @@ def test_defaults_follow_the_paper():
     assert cfg.tau_schedule == "linear" and cfg.kappa_schedule == "linear"
     assert cfg.hard is False and cfg.prior is None
     assert cfg.prior_strength == 3.0 and cfg.sparse_reg == 1e-5 and cfg.init_std == 0.01
-    assert cfg.logits_dtype == "float32" and cfg.seed == 0 and cfg.strict is False
+    assert cfg.logits_dtype == "bfloat16" and cfg.seed == 0 and cfg.strict is False
 
 
 def test_candidates_2_4_in_reference_order():

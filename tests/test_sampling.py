@@ -1,39 +1,42 @@
-"""The Gumbel-softmax mask sampler: values, gradients, memory, reproducibility."""
+"""The Gumbel-softmax mask sampler and the fused masked linear: values, gradients, memory, noise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from models import single_thread  # noqa: F401  (autouse fixture)
 
-from hf_maskllm.adapters import sampling
+from hf_maskllm.adapters import fused_linear, sampling
 from hf_maskllm.patterns import candidate_patterns
 
 NM = [(2, 4), (1, 4), (3, 8), (4, 8)]
 
 
-def reference_mask(logits: torch.Tensor, u: torch.Tensor, cand: torch.Tensor, tau: float, kappa: float):
-    """Plain autograd: softmax((kappa * logits - log(-log u)) / tau) @ candidates."""
-    gumbel = -torch.log(-torch.log(u))
-    return torch.softmax((kappa * logits + gumbel) / tau, dim=-1) @ cand
+def reference_mask(logits: torch.Tensor, seed: int, n: int, m: int, tau: float, kappa: float) -> torch.Tensor:
+    """Plain float64 autograd: softmax((kappa * logits - log(-log u)) / tau) @ candidates, same noise."""
+    u = sampling.gumbel_uniform(sampling.seed_tensor(seed), logits.shape[0], logits.shape[1], logits.device)
+    gumbel = -torch.log(-torch.log(u.double()))
+    return torch.softmax((kappa * logits.double() + gumbel) / tau, dim=-1) @ candidate_patterns(
+        n, m, torch.float64
+    )
 
 
 @pytest.mark.parametrize("n,m", NM)
 @pytest.mark.parametrize("tau,kappa", [(4.0, 100.0), (0.5, 3.0)])
-def test_matches_autograd_reference_values_and_gradients(n, m, tau, kappa):
+def test_soft_mask_matches_float64_reference_values_and_gradients(n, m, tau, kappa):
     torch.manual_seed(0)
     cand = candidate_patterns(n, m)
-    logits = (torch.randn(37, cand.shape[0]) * 0.05).requires_grad_()
+    base = torch.randn(37, cand.shape[0]) * 0.05
     upstream = torch.randn(37, m)
+    logits = base.clone().requires_grad_()
     out = sampling.sample_soft_mask(logits, cand, tau, kappa, seed=123)
     (out * upstream).sum().backward()
-    grad = logits.grad.clone()
-    logits.grad = None
-    u = sampling._uniform(logits.shape, 123, logits.device)
-    ref = reference_mask(logits, u, cand, tau, kappa)
-    (ref * upstream).sum().backward()
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
-    # float32 softmax backward computed in a different order: a few ulps of the gradient's scale kappa / tau.
-    torch.testing.assert_close(grad, logits.grad, rtol=1e-4, atol=1e-6 * kappa / tau)
+    ref_logits = base.double().requires_grad_()
+    ref = reference_mask(ref_logits, 123, n, m, tau, kappa)
+    (ref * upstream.double()).sum().backward()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    scale = kappa / tau  # gradients are of this size: compare at float32 precision of it
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-4, atol=2e-6 * scale)
     # Every soft group keeps exactly n in expectation.
     torch.testing.assert_close(out.sum(-1), torch.full((37,), float(n)), rtol=0, atol=1e-5)
 
@@ -42,8 +45,11 @@ def test_seed_reproducible_and_fresh_by_default():
     cand = candidate_patterns(2, 4)
     logits = torch.randn(64, 6)
     a = sampling.sample_soft_mask(logits, cand, 1.0, 1.0, seed=5)
-    b = sampling.sample_soft_mask(logits, cand, 1.0, 1.0, seed=5)
-    assert torch.equal(a, b)
+    assert torch.equal(a, sampling.sample_soft_mask(logits, cand, 1.0, 1.0, seed=5))
+    assert not torch.equal(a, sampling.sample_soft_mask(logits, cand, 1.0, 1.0, seed=6))
+    assert not torch.equal(
+        a, sampling.sample_soft_mask(logits, cand, 1.0, 1.0, seed=5 + 2**32)
+    )  # high word used
     torch.manual_seed(0)
     c = sampling.sample_soft_mask(logits, cand, 1.0, 1.0)
     d = sampling.sample_soft_mask(logits, cand, 1.0, 1.0)
@@ -67,75 +73,176 @@ def test_hard_straight_through_forward_is_one_hot_backward_is_soft():
     torch.testing.assert_close(hard_grad, logits.grad)
 
 
-def test_gumbel_noise_statistics():
-    u = sampling._uniform(torch.Size([200_000]), 3, torch.device("cpu"))
+def test_uniform_never_reaches_zero_or_one():
+    """The extreme bit patterns map strictly inside (0, 1): the Gumbel noise stays finite."""
+    bits = torch.tensor([0, -1, 2**31 - 1, -(2**31), 511, -512], dtype=torch.int32)
+    u = sampling.bits_to_uniform(bits)
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_hash_noise_statistics():
+    """Uniform in (0, 1), Gumbel moments, no correlation between neighbours or between seeds."""
+    u = sampling.gumbel_uniform(sampling.seed_tensor(3), 100_000, 6, torch.device("cpu")).double()
+    assert 0 < u.min() and u.max() < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    expected = u.numel() / 20
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 above ~43.8
     g = -torch.log(-torch.log(u))
     assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni constant
     assert abs(g.var().item() - torch.pi**2 / 6) < 0.03
+    flat = u.flatten() - 0.5
+    assert abs((flat[1:] * flat[:-1]).mean().item() / flat.var().item()) < 0.01  # lag-1 autocorrelation
+    other = sampling.gumbel_uniform(sampling.seed_tensor(4), 100_000, 6, torch.device("cpu")).double() - 0.5
+    assert abs((flat * other.flatten()).mean().item() / flat.var().item()) < 0.01
+    bits = sampling.hash_bits(sampling.seed_tensor(3), 4096, 8, torch.device("cpu"))
+    ones = torch.stack([(bits >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))
+    assert ((ones - 0.5).abs() < 0.02).all()  # every bit position balanced
 
 
-def test_backward_keeps_no_per_group_tensor_alive():
-    """Only the logits (a parameter, no copy) and the candidates are saved: no [G, C] noise or probabilities."""
-    cand = candidate_patterns(2, 4)
-    logits = torch.randn(4096, 6, requires_grad=True)
+# ---------------------------------------------------------------------------------------------- fused linear
+def _reference_linear(x, weight, bias, logits, seed, n, m, tau, kappa, hard=False):
+    """float64 plain autograd of ``x @ (W * mask)^T + b`` and ``||W * mask||^2`` with the same noise."""
+    cand = candidate_patterns(n, m)
+    mask = sampling.sample_soft_mask(logits, cand, tau, kappa, hard=hard, seed=seed) if hard else None
+    if mask is None:
+        mask = reference_mask(logits, seed, n, m, tau, kappa)
+    masked = weight.double() * mask.reshape(weight.shape).double()
+    y = torch.nn.functional.linear(x.double(), masked, None if bias is None else bias.double())
+    return y, masked.square().sum()
 
-    def saved_by(fn) -> list[torch.Tensor]:
-        saved: list[torch.Tensor] = []
 
-        def pack(t):
-            saved.append(t)
-            return t
+def _fused_vs_reference(n, m, out_f, in_f, hard=False, bias=True, transposed=False, compiled=False):
+    torch.manual_seed(0)
+    c = candidate_patterns(n, m).shape[0]
+    weight = (
+        torch.randn(in_f, out_f).t() if transposed else torch.randn(out_f, in_f)
+    )  # Conv1D: a transposed view
+    b = torch.randn(out_f) if bias else None
+    x0 = torch.randn(2, 5, in_f)
+    base = torch.randn(out_f * in_f // m, c) * 0.05
+    upstream = torch.randn(2, 5, out_f)
+    results = []
+    for fused in (True, False):
+        x = (x0.clone() if fused else x0.double()).requires_grad_()
+        logits = (base.clone() if fused else base.double()).requires_grad_()
+        if fused:
+            previous = fused_linear.set_compiled_sampling(compiled)
+            try:
+                y, reg = fused_linear.masked_linear(
+                    x, weight, b, logits, n, m, sampling.seed_tensor(77), 2.0, 150.0, hard, True
+                )
+            finally:
+                fused_linear.set_compiled_sampling(previous)
+        else:
+            y, reg = _reference_linear(x, weight, b, logits, 77, n, m, 2.0, 150.0, hard)
+        ((y * upstream.to(y.dtype)).sum() + 1e-3 * reg).backward()
+        results.append((y.detach().double(), reg.detach().double(), x.grad.double(), logits.grad.double()))
+    (y, reg, gx, gl), (ry, rreg, rgx, rgl) = results
+    torch.testing.assert_close(y, ry, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reg, rreg, rtol=1e-5, atol=0)
+    torch.testing.assert_close(gx, rgx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gl, rgl, rtol=1e-4, atol=1e-5 * rgl.abs().max().item())
+    assert rgl.abs().max() > 0
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-        return saved
 
-    u = sampling._uniform(logits.shape, 0, logits.device)
-    plain = saved_by(lambda: reference_mask(logits, u, cand, 1.0, 100.0))
-    # plain autograd keeps the [G, C] probabilities (and the hooks see them)
-    assert any(t.numel() >= logits.numel() and t.data_ptr() != logits.data_ptr() for t in plain)
-    ours = saved_by(lambda: sampling.sample_soft_mask(logits, cand, 1.0, 100.0, seed=0))
-    assert ours
-    for t in ours:
-        assert t.data_ptr() == logits.data_ptr() or t.numel() <= cand.numel()
+@pytest.mark.parametrize("n,m", NM)
+def test_fused_linear_matches_float64_autograd(n, m):
+    _fused_vs_reference(n, m, out_f=24, in_f=40 if m == 4 else 48)
+
+
+def test_fused_linear_hard_no_bias_and_transposed_weight():
+    _fused_vs_reference(2, 4, 12, 20, hard=True)
+    _fused_vs_reference(2, 4, 12, 20, bias=False, transposed=True)
 
 
 @pytest.mark.slow
-def test_compiled_sampling_matches_eager():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("n,m", [(2, 4), (3, 8)])
+def test_compiled_fused_linear_matches_float64_autograd(n, m):
+    _fused_vs_reference(n, m, out_f=36, in_f=64, compiled=True)
+    _fused_vs_reference(n, m, out_f=20, in_f=48, compiled=True, transposed=True)  # other shape: same kernel
+
+
+def saved_by(fn) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_fused_backward_keeps_no_per_group_or_weight_sized_tensor():
+    """Autograd keeps noise, probabilities and W * mask; the fused path only x, W, the logits and a seed."""
+    weight = torch.randn(64, 128)
+    logits = torch.randn(64 * 32, 6, requires_grad=True)
+    x = torch.randn(3, 128, requires_grad=True)
     cand = candidate_patterns(2, 4)
-    logits = (torch.randn(1000, 6) * 0.05).requires_grad_()
-    upstream = torch.randn(1000, 4)
-    eager = sampling.sample_soft_mask(logits, cand, 2.0, 150.0, seed=11)
-    (eager * upstream).sum().backward()
-    eager_grad = logits.grad.clone()
-    logits.grad = None
-    sampling.set_compiled_sampling(True)
-    try:
-        fused = sampling.sample_soft_mask(logits, cand, 2.0, 150.0, seed=11)
-        (fused * upstream).sum().backward()
-    finally:
-        sampling.set_compiled_sampling(False)
-    # inductor reorders float32 reductions: a few ulps (of the gradient's scale kappa / tau = 75 for the grads)
-    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits.grad, eager_grad, rtol=1e-4, atol=75 * 1e-6)
+    plain = saved_by(
+        lambda: (
+            x @ (weight * sampling.sample_soft_mask(logits, cand, 1.0, 100.0, seed=0).reshape(64, 128)).t()
+        )
+    )
+    pointers = {x.data_ptr(), weight.data_ptr(), logits.data_ptr()}
+    extra = sum(t.numel() for t in plain if t.data_ptr() not in pointers)
+    assert extra >= logits.numel() + weight.numel()  # noise / probabilities per group, and W * mask
+    ours = saved_by(
+        lambda: fused_linear.masked_linear(x, weight, None, logits, 2, 4, sampling.draw_seed(), 1.0, 100.0)
+    )
+    assert ours
+    for t in ours:
+        assert t.data_ptr() in pointers or t.numel() <= 2, tuple(t.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_float32_math_under_autocast_and_16_bit_logit_gradients(dtype):
+def test_autocast_runs_matmuls_in_low_precision_and_sampling_in_float32(dtype):
     torch.manual_seed(0)
-    cand = candidate_patterns(2, 4)
-    base = torch.randn(64, 6) * 0.05
-    upstream = torch.randn(64, 4)
-    ref_logits = base.clone().requires_grad_()
-    ref = sampling.sample_soft_mask(ref_logits, cand, 2.0, 100.0, seed=4)
-    (ref * upstream).sum().backward()
+    weight = torch.randn(16, 32)
+    logits = (torch.randn(16 * 8, 6) * 0.05).requires_grad_()
+    x = torch.randn(4, 32)
+    seed = sampling.seed_tensor(4)
     with torch.autocast("cpu", dtype=dtype):
-        out = sampling.sample_soft_mask(base.clone(), cand, 2.0, 100.0, seed=4)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref)
-    low = base.to(dtype).requires_grad_()
-    (sampling.sample_soft_mask(low, cand, 2.0, 100.0, seed=4) * upstream).sum().backward()
-    assert low.grad.dtype == dtype
-    # the 16-bit logits themselves are rounded (the forward differs slightly): compare loosely, at the grad scale 50
-    torch.testing.assert_close(low.grad.float(), ref_logits.grad, rtol=0.1, atol=0.05 * 50)
+        y, reg = fused_linear.masked_linear(x, weight, None, logits, 2, 4, seed, 2.0, 100.0, with_reg=True)
+        plain = torch.nn.functional.linear(x, weight * sampling.sample_soft_mask(logits, candidate_patterns(2, 4), 2.0, 100.0, seed=4).reshape(16, 32))  # fmt: skip
+    assert y.dtype == plain.dtype == dtype
+    assert reg.dtype == torch.float32
+    torch.testing.assert_close(y.float(), plain.float(), rtol=0.02, atol=0.05)
+    y.float().sum().backward()
+    assert logits.grad.dtype == torch.float32 and torch.isfinite(logits.grad).all()
+    low = logits.detach().to(dtype).requires_grad_()
+    y, _ = fused_linear.masked_linear(x.to(dtype), weight.to(dtype), None, low, 2, 4, seed, 2.0, 100.0)
+    y.float().sum().backward()
+    assert low.grad.dtype == dtype and torch.isfinite(low.grad.float()).all()
+
+
+@pytest.mark.slow
+def test_compiled_code_is_reused_across_shapes_and_schedules():
+    """One kernel per (n, m, direction): new layer sizes, token counts, tau and kappa do not recompile."""
+    from torch._dynamo.utils import counters
+
+    previous = fused_linear.set_compiled_sampling(True)
+    try:
+        torch._dynamo.reset()
+        fused_linear._COMPILED.clear()
+
+        def step(out_f, in_f, tokens, tau):
+            w = torch.randn(out_f, in_f)
+            logits = (torch.randn(out_f * in_f // 4, 6) * 0.05).requires_grad_()
+            x = torch.randn(tokens, in_f, requires_grad=True)
+            y, reg = fused_linear.masked_linear(
+                x, w, None, logits, 2, 4, sampling.draw_seed(), tau, 100.0 * tau, False, True
+            )
+            (y.sum() + reg).backward()
+
+        step(24, 40, 5, 2.0)
+        step(48, 40, 7, 1.0)
+        compiled = counters["stats"]["unique_graphs"]
+        for out_f, in_f, tokens, tau in [(8, 64, 3, 0.5), (40, 24, 11, 3.0), (96, 128, 2, 0.1)]:
+            step(out_f, in_f, tokens, tau)
+        assert counters["stats"]["unique_graphs"] == compiled
+    finally:
+        fused_linear.set_compiled_sampling(previous)

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_maskllm import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskLLMError, MaskModel, get_mask_model
+from hf_maskllm.adapters import layer as layer_module
+from hf_maskllm.adapters import sampling
 from hf_maskllm.adapters.schedules import schedule_value
 from hf_maskllm.patterns import candidate_patterns
 
@@ -160,36 +162,49 @@ def test_callback_flip_rate_and_max_prob_match_a_manual_computation(tmp_path):
     assert callback.last_flip_rate == pytest.approx(changed / total)
     kappa = callback.kappa
     probs = torch.cat(
-        [(kappa * layer.mask_logits.detach()).softmax(-1).amax(-1) for layer in mm.masked_layers().values()]
+        [
+            (kappa * layer.mask_logits.detach().float()).softmax(-1).amax(-1)
+            for layer in mm.masked_layers().values()
+        ]
     )
     assert callback.last_max_prob == pytest.approx(float(probs.mean()), rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- regulariser
 def _forward_recording_masks(mm: MaskModel, inputs: dict, seed: int, **kwargs):
-    """Training forward with a fixed Gumbel seed; returns the output and each layer's sampled mask."""
-    sampled: dict[str, torch.Tensor] = {}
-    originals = {}
-    for name, layer in mm.masked_layers().items():
-        originals[name] = layer.sample_mask
+    """Training forward with a fixed Gumbel seed; returns the output and each layer's sampled soft mask,
+    recomputed by plain autograd from the noise seed the layer drew (differentiable in the logits)."""
+    seeds: dict[str, torch.Tensor] = {}
+    current: list[str] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, name=name: current.append(name))
+        for name, layer in mm.masked_layers().items()
+    ]
+    original = layer_module.draw_seed
 
-        def record(layer=layer, name=name):
-            sampled[name] = originals[name]()
-            return sampled[name]
+    def record(device):
+        seeds[current[-1]] = original(device)
+        return seeds[current[-1]]
 
-        layer.sample_mask = record
+    layer_module.draw_seed = record
     try:
         torch.manual_seed(seed)
         out = mm(**inputs, **kwargs)
     finally:
-        for layer in mm.masked_layers().values():
-            del layer.sample_mask
+        layer_module.draw_seed = original
+        for hook in hooks:
+            hook.remove()
+    sampled = {}
+    for name, layer in mm.masked_layers().items():
+        probs = sampling.sample_probs(layer.mask_logits, seeds[name], layer.tau, layer.kappa)
+        mask = torch.stack(sampling.soft_mask_from_probs(probs, layer.n, layer.m, hard=False), dim=-1)
+        sampled[name] = mask.reshape(layer.out_features, layer.in_features)
     return out, sampled
 
 
 def test_sparse_regulariser_matches_manual_loss_and_gradient():
     lam = 1e-3
-    mm = get_mask_model(tiny_llama(), MaskConfig(sparse_reg=lam))
+    mm = get_mask_model(tiny_llama(), MaskConfig(sparse_reg=lam, logits_dtype="float32"))  # exact gradients
     mm.train()
     ids = random_tokens(2, 3)
     inputs = {"input_ids": ids, "labels": ids}
@@ -366,3 +381,42 @@ def test_data_parallel_is_refused_with_a_clear_error():
     args = SimpleNamespace(n_gpu=2, world_size=1, gradient_accumulation_steps=1)
     with pytest.raises(MaskLLMError, match="DataParallel"):
         MaskAnnealCallback().on_train_begin(args, SimpleNamespace(global_step=0, max_steps=1), None, model=mm)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
+    """Recomputed blocks redraw the same Gumbel seeds (checkpointing restores the RNG): identical grads.
+
+    Non-reentrant checkpointing (transformers' default) also keeps the sparse regulariser's gradient;
+    reentrant checkpointing cannot (its first forward runs without autograd), which is warned about.
+    """
+    ids = random_tokens(2, 5)
+    reg = 0.0 if use_reentrant else 1e-3
+
+    def logit_grads(checkpointing: bool) -> list[torch.Tensor]:
+        mm = get_mask_model(tiny_llama(), MaskConfig(logits_dtype="float32", sparse_reg=reg))
+        mm.sparse_reg_weight = reg
+        if checkpointing:
+            base = mm.get_base_model()
+            base.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+            base.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": use_reentrant}
+            )
+            assert any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
+        mm.train()
+        torch.manual_seed(0)
+        mm(input_ids=ids, labels=ids).loss.backward()  # (reentrant checkpoints do not support autograd.grad)
+        return [layer.mask_logits.grad for layer in mm.masked_layers().values()]
+
+    for plain, checkpointed in zip(logit_grads(False), logit_grads(True)):
+        assert plain.abs().max() > 0
+        torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-8)
+    if use_reentrant:
+        mm = get_mask_model(tiny_llama(), MaskConfig(sparse_reg=1e-3))
+        mm.sparse_reg_weight = 1e-3
+        mm.get_base_model().enable_input_require_grads()
+        mm.get_base_model().activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": True}
+        )
+        with pytest.warns(UserWarning, match="use_reentrant"):
+            mm.train()(input_ids=ids, labels=ids)

@@ -6,6 +6,7 @@ with ``resume_from_checkpoint`` continues on exactly the same schedule.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -14,7 +15,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import MaskLLMError
+from ..optim import MaskAdamW, compiler_available
 from ..patterns import candidate_patterns
+from .fused_linear import set_compiled_sampling
 from .model import MaskModel
 from .sampling import max_probability
 from .schedules import schedule_value
@@ -36,6 +39,20 @@ def find_mask_model(model: nn.Module | None) -> MaskModel:
     )
 
 
+def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
+    """16-bit logits need stochastic rounding: with round-to-nearest most updates are lost."""
+    if optimizer is None or isinstance(getattr(optimizer, "optimizer", optimizer), MaskAdamW):
+        return
+    low = {str(p.dtype) for p in mask_model.parameters() if p.requires_grad and p.element_size() < 4}
+    if low:
+        warnings.warn(
+            f"Mask logits are {', '.join(sorted(low))} but the optimizer is {type(optimizer).__name__}: updates "
+            "below half a 16-bit step are rounded away and the masks barely learn. Use hf_maskllm.MaskAdamW "
+            "(Trainer(optimizer_cls_and_kwargs=(MaskAdamW, {'lr': 5e-4}))) or MaskConfig(logits_dtype='float32').",
+            stacklevel=2,
+        )
+
+
 def _hamming(n: int, m: int, device: torch.device) -> torch.Tensor:
     """``[C, C]``: how many of the m positions differ between two candidates."""
     cand = candidate_patterns(n, m, device=device)
@@ -52,10 +69,14 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     Args:
         log_mask_stats: Compute flip rate and max probability (one argmax over all logits per step).
+        compile_sampling: Fuse the mask sampling with ``torch.compile`` during training (see
+            ``adapters/fused_linear.py``); default: when a C++ compiler (CPU) or CUDA is available.
     """
 
-    def __init__(self, log_mask_stats: bool = True) -> None:
+    def __init__(self, log_mask_stats: bool = True, compile_sampling: bool | None = None) -> None:
         self.log_mask_stats = log_mask_stats
+        self.compile_sampling = compile_sampling
+        self._previous_compiled: bool | None = None
         self.tau: float | None = None
         self.kappa: float | None = None
         self.flip_rate_sum = 0.0
@@ -66,7 +87,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict[str, Any]:
         return {
-            "args": {"log_mask_stats": self.log_mask_stats},
+            "args": {"log_mask_stats": self.log_mask_stats, "compile_sampling": self.compile_sampling},
             "attributes": {
                 "flip_rate_sum": self.flip_rate_sum,
                 "flip_rate_count": self.flip_rate_count,
@@ -100,6 +121,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
             self._previous = {k: v.clone() for k, v in mask_model.hard_indices().items()}
+        _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
+        compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
+        self._previous_compiled = set_compiled_sampling(compiled)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._apply(find_mask_model(model), state.global_step, state.max_steps)
@@ -159,6 +183,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self._previous_compiled is not None:
+            set_compiled_sampling(self._previous_compiled)
+            self._previous_compiled = None
         mask_model = find_mask_model(model)
         summary = dict(mask_model.training_summary)
         summary.update(

@@ -9,7 +9,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
-from .sampling import hard_indices, sample_soft_mask
+from .fused_linear import masked_linear
+from .sampling import draw_seed, hard_indices, sample_soft_mask
 
 __all__ = ["MaskedLinear"]
 
@@ -85,11 +86,25 @@ class MaskedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.masking_enabled:
             return self.base_layer(x)
-        weight = self.masked_weight()
-        if self.training and self.track_sparse_reg:
+        bias = getattr(self.base_layer, "bias", None)
+        weight = dense_weight_view(self.base_layer)
+        if not self.training:
+            return F.linear(x, weight * self.hard_mask().to(weight.dtype), bias)
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            # Someone unfroze the base layer: plain autograd also gives its gradients.
+            masked = weight * self.sample_mask().to(weight.dtype)
+            if self.track_sparse_reg:
+                self.last_sparse_reg = masked.float().square().sum()
+            return F.linear(x, masked, bias)
+        # The fused path: nothing per group kept for the backward pass (fused_linear.py).
+        y, reg = masked_linear(
+            x, weight, bias, self.mask_logits, self.n, self.m, draw_seed(weight.device),
+            self.tau, self.kappa, self.hard, self.track_sparse_reg,
+        )  # fmt: skip
+        if self.track_sparse_reg:
             # ||W * mask||^2 with W frozen: the gradient reaches only the logits.
-            self.last_sparse_reg = weight.float().pow(2).sum()
-        return F.linear(x, weight, getattr(self.base_layer, "bias", None))
+            self.last_sparse_reg = reg
+        return y
 
     # ------------------------------------------------------------------ merge
     @torch.no_grad()

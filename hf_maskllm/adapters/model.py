@@ -11,6 +11,7 @@ import inspect
 import os
 import tempfile
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,6 +127,14 @@ class MaskModel(nn.Module):
         outputs = self.base_model(*args, **kwargs)
         if track and getattr(outputs, "loss", None) is not None:
             regs = [layer.last_sparse_reg for layer in layers if layer.last_sparse_reg is not None]
+            if torch.is_grad_enabled() and any(not r.requires_grad for r in regs):
+                warnings.warn(
+                    "The sparse weight regulariser gets no gradient in some masked layers: they ran without "
+                    "autograd (reentrant activation checkpointing?). Use non-reentrant checkpointing "
+                    "(activation_checkpointing_kwargs={'use_reentrant': False}, transformers' default) or "
+                    "MaskConfig(sparse_reg=0).",
+                    stacklevel=2,
+                )
             if regs:
                 # -lambda * (1 - t/T) * sum ||W * mask||^2 (REFERENCE section 1). When the Trainer normalises the
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the

@@ -3,82 +3,133 @@
 Training: ``p = softmax((kappa * logits + g) / tau)`` per group with Gumbel noise ``g``, soft mask
 ``p @ candidates`` (``[G, C] @ [C, m] -> [G, m]``). Evaluation / export: ``candidates[argmax(logits)]``.
 
-The sample is a custom autograd function that keeps nothing per group alive for the backward
-pass: it saves the logits (a parameter, no copy) and the noise *seed*, and recomputes noise and
-probabilities in backward. That removes the ``[G, C]`` noise and probability tensors autograd
-would otherwise hold for every masked layer until the backward pass (about 12 bytes per masked
-weight for 2:4). ``set_compiled_sampling(True)`` additionally fuses the per-group math with
-``torch.compile`` (worth it on CPU for long runs; costs a compile at first use).
+The noise is a counter-based hash of ``(seed, element index)``, not a generator's stream: the same
+seed gives the same noise in the forward and in the backward pass (which recomputes it instead of
+keeping it), on any device, and inside one fused compiled loop (``torch.compile`` turns these
+functions into a single C++ / Triton kernel with no ``[G, C]`` tensor in memory). The fused
+training forward / backward of a masked linear that uses them lives in ``fused_linear.py``.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-__all__ = ["hard_indices", "max_probability", "sample_soft_mask", "set_compiled_sampling"]
+from ..patterns import candidate_patterns
 
-_COMPILED: dict[str, object] = {}
-_USE_COMPILED = False
+__all__ = [
+    "bits_to_uniform",
+    "draw_seed",
+    "gumbel_uniform",
+    "hard_indices",
+    "hash_bits",
+    "max_probability",
+    "sample_probs",
+    "sample_soft_mask",
+    "seed_tensor",
+    "soft_mask_from_probs",
+]
 
-
-def set_compiled_sampling(enabled: bool) -> bool:
-    """Fuse the sampling math with ``torch.compile`` (first call compiles); returns the previous setting."""
-    global _USE_COMPILED
-    previous, _USE_COMPILED = _USE_COMPILED, bool(enabled)
-    return previous
-
-
-def _uniform(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
-    """Uniform(0, 1) noise reproducible from ``seed`` (regenerated identically in backward)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return torch.empty(shape, device=device).uniform_(generator=generator).clamp_(min=1e-30)
-
-
-def _probs(logits: torch.Tensor, u: torch.Tensor, tau: float, kappa: float) -> torch.Tensor:
-    # p = softmax((kappa * logits + g) / tau), g = -log(-log(u)) ~ Gumbel(0, 1)
-    gumbel = -torch.log(-torch.log(u))
-    return torch.softmax((kappa * logits.float() + gumbel) / tau, dim=-1)
+_M32 = 0xFFFFFFFF
+_HASH_MUL = 0x045D9F3B
 
 
-def _mask_fwd(logits, u, tau, kappa, candidates, hard: bool):
-    probs = _probs(logits, u, tau, kappa)  # [G, C]
-    if hard:  # straight-through: forward the one-hot sample, backward the soft gradient
-        return candidates[probs.argmax(dim=-1)]
-    return probs @ candidates  # [G, m]
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (two multiply-xorshift rounds) on int32 bits.
+
+    int32 so that it vectorises 16-wide on CPU; products wrap like unsigned arithmetic (as torch's own
+    int32 ops do) and ``& 0xFFFF`` after each arithmetic right shift makes it a logical one.
+    """
+    x = (((x >> 16) & 0xFFFF) ^ x) * _HASH_MUL
+    x = (((x >> 16) & 0xFFFF) ^ x) * _HASH_MUL
+    return ((x >> 16) & 0xFFFF) ^ x
 
 
-def _mask_bwd(grad_mask, logits, u, tau, kappa, candidates):
-    probs = _probs(logits, u, tau, kappa)  # recomputed, not saved
-    dp = grad_mask.float() @ candidates.t()  # dL/dp  [G, C]
-    ds = probs * (dp - (probs * dp).sum(dim=-1, keepdim=True))  # softmax backward
-    return ds * (kappa / tau)  # ds/dlogits = kappa / tau
+def draw_seed(device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fresh noise seed: ``[2]`` int32 (two random 32-bit words) from ``device``'s global RNG.
+
+    A tensor on the logits' device, so compiled code never re-specialises on it and a CUDA step
+    needs no host round trip; ``torch.manual_seed`` and the Trainer's RNG checkpoints make runs
+    reproducible. Under ``torch.distributed`` every rank gets its own noise (the Trainer seeds all
+    ranks alike, and each rank sees other data, so each should see other noise too).
+    """
+    seed = torch.randint(0, 2**32, (2,), dtype=torch.int64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        seed = seed + 1_000_003 * torch.distributed.get_rank()
+    return _as_int32(seed & _M32)
 
 
-def _fn(name: str):
-    if not _USE_COMPILED:
-        return {"fwd": _mask_fwd, "bwd": _mask_bwd}[name]
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile({"fwd": _mask_fwd, "bwd": _mask_bwd}[name], dynamic=True)
-    return _COMPILED[name]
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in ``[0, 2**32)`` -> the int32 with the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-class _GumbelMask(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, candidates, tau, kappa, hard, seed):
-        u = _uniform(logits.shape, seed, logits.device)
-        with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
-            mask = _fn("fwd")(logits, u, tau, kappa, candidates, hard)
-        ctx.save_for_backward(logits, candidates)
-        ctx.tau, ctx.kappa, ctx.seed = tau, kappa, seed
-        return mask
+def seed_tensor(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An integer ``seed`` (up to 64 bits) in the ``[2]`` int32 form :func:`draw_seed` returns."""
+    return _as_int32(torch.tensor([seed & _M32, (seed >> 32) & _M32], dtype=torch.int64, device=device))
 
-    @staticmethod
-    def backward(ctx, grad_mask):
-        logits, candidates = ctx.saved_tensors
-        u = _uniform(logits.shape, ctx.seed, logits.device)
-        with torch.autocast(logits.device.type, enabled=False):
-            grad = _fn("bwd")(grad_mask, logits, u, ctx.tau, ctx.kappa, candidates)
-        return grad.to(logits.dtype), None, None, None, None, None
+
+def hash_bits(seed: torch.Tensor, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """32 pseudo-random bits per element, ``[rows, cols]`` int32: a hash of ``seed`` and the element index.
+
+    The index wraps at 2**32 (tensors above 4 G elements would repeat bits).
+    """
+    index = torch.arange(rows * cols, device=device, dtype=torch.int32).view(rows, cols)
+    return _mix32(_mix32(index + seed[0]) ^ seed[1])
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """int32 random bits -> float32 uniform in ``(0, 1)``: 23 bits, centred in their bin.
+
+    23, not 24: ``(2**24 - 1) + 0.5`` is not a float32 and would round to ``u = 1`` (infinite noise).
+    """
+    return (((bits >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / 2**23)
+
+
+def gumbel_uniform(seed: torch.Tensor, groups: int, choices: int, device: torch.device) -> torch.Tensor:
+    """Uniform noise in ``(0, 1)``, ``[groups, choices]`` float32, a pure function of ``seed`` and the index."""
+    return bits_to_uniform(hash_bits(seed, groups, choices, device))
+
+
+def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau, kappa) -> list[torch.Tensor]:
+    """``softmax((kappa * logits + g) / tau)`` with ``g = -log(-log u)``: C float32 columns ``[G]``.
+
+    Column by column (C is small and static) so that compiled code vectorises over groups; a
+    softmax over a last dimension of 6 would not.
+    """
+    u = gumbel_uniform(seed, logits.shape[0], logits.shape[1], logits.device)
+    scores = [
+        (kappa * logits[:, c].float() - torch.log(-torch.log(u[:, c]))) / tau for c in range(logits.shape[1])
+    ]
+    top = scores[0]
+    for s in scores[1:]:
+        top = torch.maximum(top, s)
+    exps = [torch.exp(s - top) for s in scores]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    inv = 1.0 / total
+    return [e * inv for e in exps]
+
+
+def soft_mask_from_probs(probs: list[torch.Tensor], n: int, m: int, hard: bool) -> list[torch.Tensor]:
+    """The mask's m columns: ``mask_j = sum of p_c over the candidates c that keep position j``.
+
+    ``hard``: the one-hot sample's candidate instead (the straight-through forward value).
+    """
+    combos = list(itertools.combinations(range(m), n))
+    if hard:
+        chosen = candidate_patterns(n, m, device=probs[0].device)[torch.stack(probs, dim=-1).argmax(dim=-1)]
+        return [chosen[:, j] for j in range(m)]
+    columns = []
+    for j in range(m):
+        keep = [probs[c] for c, combo in enumerate(combos) if j in combo]
+        total = keep[0]
+        for p in keep[1:]:
+            total = total + p
+        columns.append(total)
+    return columns
 
 
 def sample_soft_mask(
@@ -89,17 +140,20 @@ def sample_soft_mask(
     hard: bool = False,
     seed: int | None = None,
 ) -> torch.Tensor:
-    """Sample a differentiable mask ``[G, m]`` (float32) from per-group logits ``[G, C]``.
+    """A differentiable mask ``[G, m]`` (float32) sampled from per-group logits ``[G, C]``, by plain autograd.
 
-    ``seed`` defaults to a draw from torch's global RNG, so ``torch.manual_seed`` (and the
-    Trainer's RNG checkpointing) make runs reproducible. ``hard=True`` is straight-through.
+    For inspection and as the reference of the fused training path (``fused_linear.py``), which
+    gives the same values and gradients without keeping per-group tensors. ``seed`` defaults to
+    :func:`draw_seed`. ``hard=True`` is straight-through (one-hot forward, soft gradient).
     """
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # The Trainer seeds every rank alike: give each rank its own noise, as its own data.
-            seed = (seed + 1_000_003 * torch.distributed.get_rank()) % 2**62
-    return _GumbelMask.apply(logits, candidates.float(), float(tau), float(kappa), bool(hard), seed)
+    seed_t = draw_seed(logits.device) if seed is None else seed_tensor(seed, logits.device)
+    n, m = int(candidates[0].sum()), candidates.shape[1]
+    with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
+        probs = sample_probs(logits, seed_t, float(tau), float(kappa))
+        soft = torch.stack(soft_mask_from_probs(probs, n, m, hard=False), dim=-1)
+        if not hard:
+            return soft
+        return soft + (torch.stack(soft_mask_from_probs(probs, n, m, hard=True), dim=-1) - soft).detach()
 
 
 @torch.no_grad()

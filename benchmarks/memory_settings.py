@@ -1,0 +1,163 @@
+"""Training-state memory per masked weight against held-out quality, for each supported setting.
+
+Every setting starts from the same SparseGPT 2:4 prior of SmolLM2-135M-Instruct and learns for the
+same budget (steps x batch x seqlen tokens of Wikipedia train); only the logits' dtype and the
+optimizer differ. Bytes are summed over tensors after the first optimizer step: the logits, one
+gradient per logit (in the logits' dtype) and every optimizer state tensor; per masked weight.
+Perplexity: held-out Wikipedia and news (``hf_maskllm.perplexity``), hard masks.
+
+Run (CPU, about 8 min per setting at the defaults):
+    HF_HUB_OFFLINE=1 python benchmarks/memory_settings.py --steps 100 --out benchmarks/results/memory_settings.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
+from hf_maskllm.data import calibration_tokens, causal_lm_dataset
+from hf_maskllm.embedded import load_smollm2
+from hf_maskllm.learn import learn_mask
+from hf_maskllm.optim import training_state_bytes
+from hf_maskllm.perplexity import evaluate_perplexity
+
+BETAS = (0.9, 0.95)
+SETTINGS = {
+    "fp32-adamw": ("float32 logits, torch AdamW (the reference)", "float32", torch.optim.AdamW, {}),
+    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (default)", "bfloat16", MaskAdamW, {}),
+    "bf16-maskadamw-m": (
+        "bfloat16 logits, MaskAdamW + bf16 momentum",
+        "bfloat16",
+        MaskAdamW,
+        {"momentum_dtype": torch.bfloat16},
+    ),
+    "bf16-adamw": (
+        "bfloat16 logits, torch AdamW (no stochastic rounding)",
+        "bfloat16",
+        torch.optim.AdamW,
+        {},
+    ),
+}
+
+
+class StateProbe(TrainerCallback):
+    """Training-state bytes after the first optimizer step; fails the run on a non-finite loss or logit."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] | None = None
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.bytes is None:
+            self.bytes = training_state_bytes(model, optimizer)
+        for p in model.parameters():
+            if p.requires_grad and not torch.isfinite(p).all():
+                raise RuntimeError(f"non-finite logits at step {state.global_step}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--out", default="benchmarks/results/memory_settings.md")
+    args = p.parse_args()
+
+    model, tokenizer = load_smollm2()
+    calib = calibration_tokens(
+        "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0
+    )
+    prior_dir = Path(tempfile.mkdtemp(prefix="prior-"))
+    get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib).save_pretrained(prior_dir)
+    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
+
+    rows = []
+    for key in args.settings.split(","):
+        label, dtype, optimizer_cls, extra = SETTINGS[key]
+        model, tokenizer = load_smollm2()
+        mask_model = get_mask_model(model, MaskConfig(prior=str(prior_dir), logits_dtype=dtype))
+        masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
+        probe = StateProbe()
+        start = time.perf_counter()
+        trainer = learn_mask(
+            mask_model,
+            train,
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            batch_size=args.batch_size,
+            logging_steps=max(1, args.steps // 10),
+            disable_tqdm=True,
+            callbacks=[probe],
+            optimizer_cls_and_kwargs=(optimizer_cls, {"lr": args.lr, "betas": BETAS, **extra}),
+        )
+        seconds = time.perf_counter() - start
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        ppl = {
+            corpus: evaluate_perplexity(
+                mask_model,
+                tokenizer,
+                f"{corpus}:heldout",
+                seqlen=512,
+                max_windows=args.eval_windows,
+                progress=False,
+            )
+            for corpus in ("wikipedia", "news")
+        }
+        per_weight = {k: v / masked for k, v in probe.bytes.items()}
+        rows.append(
+            {
+                "key": key,
+                "label": label,
+                "bytes_per_weight": per_weight,
+                "ppl": ppl,
+                "seconds": seconds,
+                "losses": losses,
+            }
+        )
+        print(key, json.dumps(per_weight), json.dumps(ppl), f"{seconds:.0f}s", flush=True)
+
+    ref = next((r for r in rows if r["key"] == "fp32-adamw"), None)
+    tokens = args.steps * args.batch_size * args.seqlen
+    lines = [
+        f"SmolLM2-135M-Instruct, 2:4, SparseGPT prior; {args.steps} steps x {args.batch_size} x {args.seqlen} "
+        f"tokens ({tokens:,}), lr {args.lr}, betas {BETAS}, weight decay 0.1; held-out {args.eval_windows} x 512 "
+        f"tokens per corpus; {torch.get_num_threads()} CPU threads",
+        "",
+        "| setting | logits | grads | optimizer | bytes / masked weight | Wikipedia | news | vs fp32 (wiki / news) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b = r["bytes_per_weight"]
+        total = sum(b.values())
+        delta = (
+            ""
+            if ref is None
+            else " / ".join(f"{(r['ppl'][c] / ref['ppl'][c] - 1) * 100:+.1f}%" for c in ("wikipedia", "news"))
+        )
+        lines.append(
+            f"| {r['label']} | {b['params']:.2f} | {b['grads']:.2f} | {b['optimizer']:.2f} | {total:.2f} | "
+            f"{r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | {delta} |"
+        )
+        if any(not math.isfinite(x) for x in r["losses"]):
+            lines.append(f"  ({r['key']}: non-finite loss logged)")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""MaskAdamW: the update rule, stochastic rounding, memory per masked weight, Trainer integration."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
+from test_training import TokenDataset, cyclic_language, training_args
+from transformers import Trainer
+
+from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, get_mask_model
+from hf_maskllm.errors import ConfigError
+from hf_maskllm.learn import learn_mask
+from hf_maskllm.optim import training_state_bytes
+
+
+def _reference_steps(p0, grads, lr, betas, eps, wd, momentum):
+    """The update rule in float64: per-row second moment of the mean squared gradient, optional momentum."""
+    p, v, m = (
+        p0.double().clone(),
+        torch.zeros(p0.shape[0], dtype=torch.float64),
+        torch.zeros_like(p0, dtype=torch.float64),
+    )
+    for step, g in enumerate(grads, start=1):
+        g = g.double()
+        v = betas[1] * v + (1 - betas[1]) * g.square().mean(-1)
+        denom = (v / (1 - betas[1] ** step)).sqrt()[:, None] + eps
+        if momentum:
+            m = betas[0] * m + (1 - betas[0]) * g
+            direction = m / (1 - betas[0] ** step)
+        else:
+            direction = g
+        p = p * (1 - lr * wd) - lr * direction / denom
+    return p
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("momentum_dtype", [None, torch.float32])
+def test_update_matches_float64_reference(compile, momentum_dtype):
+    torch.manual_seed(0)
+    p0 = torch.randn(257, 6) * 0.05
+    grads = [torch.randn(257, 6) * 10 ** (-k) for k in range(4)]  # scale changes: v must adapt per row
+    p = torch.nn.Parameter(p0.clone())
+    opt = MaskAdamW(
+        [p],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        momentum_dtype=momentum_dtype,
+        compile=compile,
+    )
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    ref = _reference_steps(p0, grads, 1e-2, (0.9, 0.95), 1e-8, 0.1, momentum_dtype is not None)
+    torch.testing.assert_close(p.double(), ref, rtol=1e-5, atol=1e-7)
+    assert opt.state[p]["exp_avg_sq"].shape == (257,)
+
+
+def test_bf16_stochastic_rounding_keeps_updates_that_round_to_nearest_loses():
+    """50 steps of 1e-4 on bf16 logits at 0.25 (bf16 spacing there: 2e-3): AdamW loses all of them."""
+    ours = torch.nn.Parameter(torch.full((20_000, 6), 0.25, dtype=torch.bfloat16))
+    plain = torch.nn.Parameter(ours.detach().clone())
+    opt = MaskAdamW([ours], lr=1e-4, weight_decay=0.0, compile=False)
+    ref = torch.optim.AdamW([plain], lr=1e-4, weight_decay=0.0)
+    for _ in range(50):
+        ours.grad = torch.ones_like(ours)
+        plain.grad = torch.ones_like(plain)
+        opt.step()
+        ref.step()
+    assert plain.float().mean().item() == 0.25  # every update rounded away
+    assert abs(ours.float().mean().item() - (0.25 - 50 * 1e-4)) < 2e-5  # unbiased: the mean moved by 5e-3
+    assert ours.float().unique().numel() > 1  # each logit rounded its own way
+
+
+def test_bf16_momentum_is_rounded_stochastically_too():
+    torch.manual_seed(0)
+    p0 = torch.randn(4096, 6) * 0.05
+    grads = [torch.randn(4096, 6) for _ in range(3)]
+    p = torch.nn.Parameter(p0.clone())
+    opt = MaskAdamW([p], lr=1e-2, weight_decay=0.0, momentum_dtype=torch.bfloat16, compile=False)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+    ref = _reference_steps(p0, grads, 1e-2, (0.9, 0.95), 1e-8, 0.0, True)
+    error = p.double() - ref
+    assert error.abs().max() < 2e-3  # a few bf16 steps of the momentum
+    assert error.mean().abs() < 2e-5  # and unbiased
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (1.0, 0.9)}, "betas"),
+        ({"momentum_dtype": torch.int8}, "momentum_dtype"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MaskAdamW([torch.nn.Parameter(torch.zeros(4, 6))], **kwargs)
+
+
+def _bytes_per_masked_weight(logits_dtype: str, optimizer_cls, optimizer_kwargs) -> float:
+    mm = get_mask_model(tiny_llama(), MaskConfig(logits_dtype=logits_dtype))
+    opt = optimizer_cls(list(mm.parameters()), **optimizer_kwargs)
+    mm.train()
+    ids = cyclic_language(4, seed=0)
+    mm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    sizes = training_state_bytes(mm, opt)
+    masked = sum(layer.out_features * layer.in_features for layer in mm.masked_layers().values())
+    return sum(sizes.values()) / masked
+
+
+def test_training_state_bytes_per_masked_weight():
+    """Default (bf16 logits + MaskAdamW) 7 bytes; reference (fp32 + AdamW) 24; bf16 momentum 10."""
+    assert _bytes_per_masked_weight("bfloat16", MaskAdamW, {"compile": False}) == pytest.approx(7.0, abs=1e-2)
+    assert _bytes_per_masked_weight("float32", torch.optim.AdamW, {}) == pytest.approx(24.0, abs=1e-2)
+    momentum = {"compile": False, "momentum_dtype": torch.bfloat16}
+    assert _bytes_per_masked_weight("bfloat16", MaskAdamW, momentum) == pytest.approx(10.0, abs=1e-2)
+    assert MaskConfig().logits_dtype == "bfloat16"
+
+
+def test_learn_mask_uses_mask_adamw_and_trainer_warns_for_round_to_nearest(tmp_path):
+    ids = cyclic_language(16, seed=1)
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    trainer = learn_mask(mm, TokenDataset(ids), max_steps=2, output_dir=str(tmp_path / "a"), disable_tqdm=True,
+                         compile_sampling=False, use_cpu=True, logging_steps=1)  # fmt: skip
+    assert isinstance(
+        trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer,
+        MaskAdamW,
+    )
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.1
+    plain = Trainer(
+        model=get_mask_model(tiny_llama(), MaskConfig()),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=TokenDataset(ids),
+        callbacks=[MaskAnnealCallback(compile_sampling=False)],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain.train()
+    assert any("MaskAdamW" in str(w.message) and "bfloat16" in str(w.message) for w in caught)
