@@ -71,15 +71,17 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--calib-samples", type=int, default=32)
     p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--prior-dir", help="a saved SparseGPT prior mask folder to reuse (else computed and saved)")
     p.add_argument("--out", default="benchmarks/results/memory_settings.md")
     args = p.parse_args()
 
     model, tokenizer = load_smollm2()
-    calib = calibration_tokens(
-        "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0
-    )
-    prior_dir = Path(tempfile.mkdtemp(prefix="prior-"))
-    get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib).save_pretrained(prior_dir)
+    if args.prior_dir and Path(args.prior_dir, "mask_config.json").exists():
+        prior_dir = Path(args.prior_dir)
+    else:
+        calib = calibration_tokens("wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0)
+        prior_dir = Path(args.prior_dir or tempfile.mkdtemp(prefix="prior-"))
+        get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib).save_pretrained(prior_dir)
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
 
     rows = []

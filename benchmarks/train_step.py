@@ -1,79 +1,119 @@
-"""Cost of a masked training step on SmolLM2-135M-Instruct: frozen dense forward+backward vs masked (eager, compiled).
+"""Cost of a masked training step on SmolLM2-135M-Instruct against a frozen dense forward + backward.
 
 The dense baseline is what mask learning must at least pay: forward + backward to the inputs with
-every weight frozen. The masked step adds sampling the 2:4 masks (26.5 M groups), the weight
-gradient of every masked linear, and the logits' gradient. Prints median seconds of `--repeats`
-runs after one warm-up, the ratio to dense, and the process's peak RSS after each configuration.
+every weight frozen. The masked step (the defaults: bf16 logits, fused sampling, MaskAdamW) adds
+sampling the 2:4 masks of 26.5 M groups, the weight gradient of every masked linear (one more
+matmul per linear: about 1.4x by itself), the logits' gradient, and the optimizer step. Each
+configuration runs in its own process (so its peak RSS is its own): median seconds of ``--repeats``
+steps after two warm-up steps (compilation), ratio to dense at the same token count, peak RSS.
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--batch 2 --seqlen 256 --repeats 3]
+Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256,4x512 --repeats 3 --bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from hf_maskllm import MaskConfig, get_mask_model
-from hf_maskllm.adapters.sampling import set_compiled_sampling
-from hf_maskllm.embedded import load_smollm2
+MODES = {
+    "dense": "dense, frozen (backward to the inputs)",
+    "masked": "masked 2:4, fused + compiled sampling, MaskAdamW step",
+    "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
+}
 
 
-def timed(step, repeats: int) -> float:
-    step()  # warm-up (and compile)
+def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool) -> dict:
+    from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
+    from hf_maskllm.adapters.fused_linear import set_compiled_sampling
+    from hf_maskllm.embedded import load_smollm2
+    from hf_maskllm.optim import training_state_bytes
+
+    model, _ = load_smollm2()
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    state_bytes = None
+    if mode == "dense":
+
+        def step() -> None:
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+            with autocast:
+                loss = model(inputs_embeds=embeds, labels=ids).loss
+            loss.backward()
+
+    else:
+        mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
+        mask_model.train()
+        mask_model.sparse_reg_weight = 1e-5
+        set_compiled_sampling(mode == "masked")
+        optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4)
+
+        def step() -> None:
+            with autocast:
+                loss = mask_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step()
+    step()  # warm-up, compilation
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
         step()
         runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if mode != "dense":
+        sizes = training_state_bytes(mask_model, optimizer)
+        masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
+        state_bytes = sum(sizes.values()) / masked
+    return {
+        "seconds": statistics.median(runs),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "state_bytes_per_weight": state_bytes,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seqlen", type=int, default=256)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="2x256,4x512", help="batch x seqlen per step, comma separated")
+    parser.add_argument("--modes", default="dense,masked,masked-eager")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    model, _ = load_smollm2()
-    model.train()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    ids = torch.randint(
-        0, model.config.vocab_size, (args.batch, args.seqlen), generator=torch.Generator().manual_seed(0)
-    )
-
-    def dense_step() -> None:
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        model(inputs_embeds=embeds, labels=ids).loss.backward()
-
-    rows = [("dense, frozen (backward to the inputs)", timed(dense_step, args.repeats), peak_rss_gib())]
-    mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
-    mask_model.train()
-
-    def masked_step() -> None:
-        mask_model(input_ids=ids, labels=ids).loss.backward()
-        for p in mask_model.parameters():
-            p.grad = None
-
-    rows.append(("masked 2:4, eager sampling", timed(masked_step, args.repeats), peak_rss_gib()))
-    set_compiled_sampling(True)
-    rows.append(("masked 2:4, compiled sampling", timed(masked_step, args.repeats), peak_rss_gib()))
-    dense = rows[0][1]
-    print(
-        f"SmolLM2-135M-Instruct, fp32, batch {args.batch} x {args.seqlen} tokens, {torch.get_num_threads()} threads"
-    )
-    print("| step | median s | vs dense | peak RSS so far |")
-    print("|---|---:|---:|---:|")
-    for label, seconds, rss in rows:
-        print(f"| {label} | {seconds:.2f} | {seconds / dense:.2f}x | {rss:.1f} GiB |")
+    if args.child:
+        batch, seqlen = (int(v) for v in args.shapes.split("x"))
+        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16)))
+        return
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, seqlen = (int(v) for v in shape.split("x"))
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--child", mode, "--shapes", shape, "--repeats", str(args.repeats)]
+            cmd += ["--bf16"] if args.bf16 else []
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            rows.append((batch * seqlen, mode, json.loads(out)))
+            print(shape, mode, rows[-1][2], flush=True)
+    print(f"\nSmolLM2-135M-Instruct, {'bf16 autocast' if args.bf16 else 'float32'}, {rows[0][2]['threads']} CPU threads")
+    print("| tokens / step | step | median s | vs dense | peak RSS | training state |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for tokens, mode, r in rows:
+        dense = next(x for t, m, x in rows if t == tokens and m == "dense")["seconds"]
+        state = f"{r['state_bytes_per_weight']:.2f} B / masked weight" if r["state_bytes_per_weight"] else ""
+        print(
+            f"| {tokens} | {MODES[mode]} | {r['seconds']:.2f} | {r['seconds'] / dense:.2f}x | "
+            f"{r['peak_rss_gib']:.2f} GiB | {state} |"
+        )
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ def learn(args: argparse.Namespace) -> dict:
     from . import MaskConfig, check_nm, get_mask_model
     from .data import calibration_tokens, causal_lm_dataset
     from .learn import learn_mask
+    from .serialization import save_json
 
     _check_no_heldout(args.train_data)
     torch.manual_seed(args.seed)
@@ -179,7 +180,7 @@ def learn(args: argparse.Namespace) -> dict:
         "log_history": trainer.state.log_history,
         "sample": sample,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    save_json(json.loads(json.dumps(results, default=str)), out / "results.json")  # atomic
     return results
 
 

@@ -101,6 +101,7 @@ BAD_VALUES = [
     ({"tau_schedule": "step"}, "`tau_schedule`"),
     ({"kappa_schedule": "Linear"}, "`kappa_schedule`"),
     ({"logits_dtype": "float64"}, "`logits_dtype`"),
+    ({"seed": 2**64}, "`seed`"),
     ({"logits_dtype": torch.float32}, "`logits_dtype`"),
     ({"target_modules": "q_proj("}, "`target_modules`"),
     ({"target_modules": []}, "`target_modules`"),

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -51,6 +52,19 @@ def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
             "(Trainer(optimizer_cls_and_kwargs=(MaskAdamW, {'lr': 5e-4}))) or MaskConfig(logits_dtype='float32').",
             stacklevel=2,
         )
+
+
+def _local(logits: torch.Tensor) -> torch.Tensor:
+    """This process's rows of the logits: the local shard under FSDP2 (a ``DTensor``), else the logits."""
+    return logits.to_local() if isinstance(logits, DTensor) else logits
+
+
+def _sum_over_shards(stats: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``stats`` summed over the processes that hold other shards of ``like`` (a no-op unless sharded)."""
+    if not isinstance(like, DTensor):
+        return stats
+    placements = [Partial() if isinstance(p, Shard) else Replicate() for p in like.placements]
+    return DTensor.from_local(stats, like.device_mesh, placements).full_tensor()
 
 
 def _hamming(n: int, m: int, device: torch.device) -> torch.Tensor:
@@ -120,7 +134,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps)) * max(1, processes)
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
-            self._previous = {k: v.clone() for k, v in mask_model.hard_indices().items()}
+            self._previous = {
+                k: _local(layer.mask_logits).argmax(dim=-1) for k, layer in mask_model.masked_layers().items()
+            }
         _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
         self._previous_compiled = set_compiled_sampling(compiled)
@@ -138,8 +154,13 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         # The softmax over every group is the costly statistic: only when this step is logged (or last).
         with_prob = control.should_log or state.global_step >= state.max_steps
         changed, total, prob_sum, groups = None, 0, None, 0
+        # Under FSDP2 each process sees its own rows of every layer's logits: sums over them, then over processes.
+        sharded = None
         for name, layer in mask_model.masked_layers().items():
-            current = layer.mask_logits.argmax(dim=-1)
+            logits = _local(layer.mask_logits)
+            if logits is not layer.mask_logits:
+                sharded = layer.mask_logits
+            current = logits.argmax(dim=-1)
             previous = self._previous.get(name)
             if previous is not None and previous.shape == current.shape:
                 flips = _hamming(cfg.n, cfg.m, current.device)[
@@ -149,9 +170,15 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
                 total += current.numel() * cfg.m
             self._previous[name] = current
             if with_prob:
-                prob = max_probability(layer.mask_logits, self.kappa or cfg.kappa[0]) * current.numel()
+                prob = max_probability(logits, self.kappa or cfg.kappa[0]) * current.numel()
                 prob_sum = prob if prob_sum is None else prob_sum + prob
             groups += current.numel()
+        if sharded is not None:  # one all-reduce for the four sums
+            zero = torch.zeros((), dtype=torch.float64, device=sharded.device)
+            local = [zero + (0 if v is None else v) for v in (changed, total, prob_sum, groups)]
+            changed, total, prob, groups = _sum_over_shards(torch.stack(local), sharded).tolist()
+            total, groups = int(total), int(groups)
+            prob_sum = None if prob_sum is None else prob
         if total:  # one host sync per statistic, not one per layer
             self.last_flip_rate = float(changed) / total
             self.flip_rate_sum += self.last_flip_rate

@@ -6,11 +6,11 @@
 Plain autograd would keep, per masked layer and until its backward pass, the noise and the
 probabilities (``[G, C]`` float32, 12 bytes per masked weight for 2:4) and the effective weight
 ``W * mask`` (the size of the layer). :class:`MaskedLinearFunction` keeps only what any linear
-keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and a 16-byte seed; the
-backward pass regenerates noise, probabilities and ``W * mask`` from them. With
-:func:`set_compiled_sampling` the per-group math of each direction runs as one ``torch.compile``
-kernel (C++ on CPU, Triton on CUDA) around the two matmuls, so no ``[G, C]`` tensor is written to
-memory at all.
+keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and a 16-byte seed. The
+backward pass regenerates noise, probabilities and ``W * mask`` in one pass (the probabilities live
+only until the logits' gradient is computed, one layer at a time), then runs the two matmuls and a
+second pass for the logits' gradient. With :func:`set_compiled_sampling` each pass is one
+``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups.
 """
 
 from __future__ import annotations
@@ -33,10 +33,6 @@ def set_compiled_sampling(enabled: bool) -> bool:
     global _USE_COMPILED
     previous, _USE_COMPILED = _USE_COMPILED, bool(enabled)
     return previous
-
-
-def compiled_sampling_enabled() -> bool:
-    return _USE_COMPILED
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:

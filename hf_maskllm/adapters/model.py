@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError, NMViolationError, TargetError
 from ..modules import dense_weight_view, is_conv1d
@@ -269,14 +270,23 @@ class MaskModel(nn.Module):
         merged: bool = False,
         dense: bool = False,
         tokenizer: Any = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         """Save the mask (config, packed hard masks, optional logits, model card) to a folder.
 
         ``merged=True`` instead writes the sparse model itself as a compressed N:M checkpoint
         (``dense=True``: a plain transformers checkpoint with zeros) that ``from_pretrained`` loads.
+        ``state_dict``: save these logits (keyed as ``state_dict()`` keys them) instead of the layers' own;
+        under FSDP, where each process holds a shard of them, the full state dict that
+        ``accelerator.get_state_dict(model)`` gathers on every process (the main process then saves).
         """
         if merged:
+            if state_dict is not None:
+                raise ConfigError(
+                    "state_dict applies to mask saves only; for a merged checkpoint, load the saved mask into an "
+                    "unsharded model (MaskModel.from_pretrained) and save that."
+                )
             from ..sparse.checkpoint import save_compressed
 
             with self._merged_view() as model:
@@ -297,13 +307,21 @@ class MaskModel(nn.Module):
         self._check_not_merged()
         layers = self.masked_layers()
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
-        for name, layer in layers.items():
-            if not bool(torch.isfinite(layer.mask_logits).all()):
+        if state_dict is None:
+            logits = {name: layer.mask_logits.detach() for name, layer in layers.items()}
+            self._refuse_sharded(logits)
+        else:
+            logits = self._logits_from_state_dict(state_dict)
+        for name, tensor in logits.items():
+            if not bool(torch.isfinite(tensor).all()):
                 raise MaskLLMError(
                     f"Logits of {name} contain NaN or inf (training diverged); refusing to save a corrupt mask. "
                     "Resume from an earlier checkpoint with a lower learning rate."
                 )
-        indices = {name: idx.cpu() for name, idx in self.hard_indices().items()}
+        if state_dict is None:
+            indices = {name: idx.cpu() for name, idx in self.hard_indices().items()}
+        else:
+            indices = {name: tensor.argmax(dim=-1) for name, tensor in logits.items()}
         # The whole folder is built beside the target and swapped in at once: a crash leaves the previous
         # save intact, and stale logits of an earlier save never sit beside the new masks.
         with atomic_folder(save_directory, drop=lambda name: name == LOGITS_NAME, last=CONFIG_NAME) as folder:
@@ -317,12 +335,39 @@ class MaskModel(nn.Module):
                 self.training_summary,
             )
             if save_logits:
-                write_logits(
-                    folder / LOGITS_NAME, {n: layer.mask_logits.detach().cpu() for n, layer in layers.items()}
-                )
+                write_logits(folder / LOGITS_NAME, {name: tensor.cpu() for name, tensor in logits.items()})
             self.mask_config.save_pretrained(folder)
             with atomic_write(folder / "README.md", "w") as f:
                 f.write(mask_model_card(**self._card_fields()))
+
+    @staticmethod
+    def _refuse_sharded(logits: dict[str, torch.Tensor]) -> None:
+        if any(isinstance(tensor, DTensor) for tensor in logits.values()):
+            raise MaskLLMError(
+                "The mask logits are sharded across processes (FSDP): gather them on every process with "
+                "`state_dict = trainer.accelerator.get_state_dict(trainer.model)`, then save on the main process "
+                "with `mask_model.save_pretrained(folder, state_dict=state_dict)`."
+            )
+
+    def _logits_from_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every masked layer's full logits (CPU) out of a state dict keyed like ``state_dict()``."""
+        logits = {}
+        for name, layer in self.masked_layers().items():
+            key = f"base_model.{name}.mask_logits"
+            tensor = state_dict.get(key)
+            if tensor is None:
+                raise ConfigError(
+                    f"state_dict lacks {key}: pass the full state dict of this MaskModel (on the main process, "
+                    "what accelerator.get_state_dict(model) returns under FSDP)."
+                )
+            self._refuse_sharded({name: tensor})
+            if tuple(tensor.shape) != tuple(layer.mask_logits.shape):
+                raise ConfigError(
+                    f"state_dict[{key!r}] has shape {tuple(tensor.shape)}, the layer's logits "
+                    f"{tuple(layer.mask_logits.shape)}: pass the full (gathered) state dict, not one shard."
+                )
+            logits[name] = tensor.detach().cpu()
+        return logits
 
     def _card_fields(self) -> dict[str, Any]:
         cfg = self.mask_config
