@@ -226,13 +226,13 @@ from hf_maskllm.kernels.nm_dot import nm24_dot_kernel
 sig = {"x_ptr": "*bf16", "values_ptr": "*bf16", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
        "num_tokens": "i32", "out_features": "i32", "in_features": "i32",
        "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32"}
-def build(fn, constexprs, **options):
-    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+def build(fn, constexprs, extra=None, **options):
+    src = ASTSource(fn, {**sig, **(extra or {}), **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 build(nm24_gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256), num_warps=4)
 build(nm24_gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=4, BLOCK_K=64), num_warps=4)
 ptx = build(nm24_dot_kernel, dict(HAS_BIAS=True, UPCAST=False, INPUT_PRECISION="tf32",
-            BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), num_warps=4, num_stages=4)
+            BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, num_warps=4, num_stages=4)
 assert "wgmma" in ptx, "the tl.dot kernel should use Hopper wgmma"
 print("compiled")
 """

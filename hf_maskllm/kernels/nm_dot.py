@@ -26,6 +26,7 @@ def nm24_dot_kernel(
     out_ptr,  # [T, N]
     # Sizes
     num_tokens,  # T (the GEMM's M)
+    tokens_bucket,  # next power of two >= T: the autotune key (one tuning per bucket, not per prompt length)
     out_features,  # N
     in_features,  # K (multiple of 4)
     # Strides (elements)
@@ -108,4 +109,4 @@ def _dot_configs() -> list[triton.Config]:
     ]
 
 
-nm24_dot = triton.autotune(_dot_configs(), key=["num_tokens", "out_features", "in_features"])(nm24_dot_kernel)
+nm24_dot = triton.autotune(_dot_configs(), key=["tokens_bucket", "out_features", "in_features"])(nm24_dot_kernel)

@@ -133,8 +133,8 @@ def _gemv_configs(wide: bool) -> list[triton.Config]:
 
 # Two tuners over one kernel: 1..4 tokens and 5..16 tokens get different block shapes.
 nm24_gemv_narrow = triton.autotune(
-    _gemv_configs(wide=False), key=["num_tokens", "out_features", "in_features"]
+    _gemv_configs(wide=False), key=["BLOCK_T", "out_features", "in_features"]
 )(nm24_gemv_kernel)
-nm24_gemv_wide = triton.autotune(_gemv_configs(wide=True), key=["num_tokens", "out_features", "in_features"])(
+nm24_gemv_wide = triton.autotune(_gemv_configs(wide=True), key=["BLOCK_T", "out_features", "in_features"])(
     nm24_gemv_kernel
 )

@@ -161,7 +161,7 @@ def nm_linear_dot(
 
     nm24_dot[grid](
         x2d, values, meta, bias if bias is not None else values, out,
-        num_tokens, out_features, in_features,
+        num_tokens, triton.next_power_of_2(num_tokens), out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
