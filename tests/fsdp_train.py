@@ -5,13 +5,15 @@ Every rank writes ``OUT/evidence<rank>.json`` (how each layer's logits are place
 and ``OUT/full<rank>.safetensors`` (the trained logits, gathered with ``DTensor.full_tensor``); the
 main process saves the mask gathered before training (``OUT/mask_step0``) and after it (``OUT/mask``,
 with logits) the way a user script would: ``accelerator.get_state_dict`` on every process, then
-``save_pretrained(state_dict=...)`` on rank 0. ``--ddp`` trains the same run with DDP instead.
+``save_pretrained(state_dict=...)`` on rank 0. ``--ddp`` trains the same run with DDP instead. Under ``accelerate launch`` with an FSDP config file
+(``ACCELERATE_USE_FSDP=true``) the FSDP settings come from that file, else from ``FSDP_CONFIG`` below.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +49,8 @@ def enable_fsdp_on_cpu(trainer: Trainer) -> None:
         # as AcceleratorState.__init__ does for GPUs: both shared states, or the next AcceleratorState() resets it
         state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        # from TrainingArguments(fsdp_config=...), else from the FSDP_* variables `accelerate launch` sets
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**(trainer.args.fsdp_plugin_args or {}))
         trainer.is_fsdp_enabled = True
 
 
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--logits-dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=4)
     opts = parser.parse_args()
+    fsdp, from_launcher = not opts.ddp, os.environ.get("ACCELERATE_USE_FSDP") == "true"
 
     model = tiny_llama(seed=0)
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude", logits_dtype=opts.logits_dtype))
@@ -141,7 +145,7 @@ def main() -> None:
         logging_steps=2,
         seed=0,
         ddp_find_unused_parameters=False,
-        **({} if opts.ddp else {"fsdp": True, "fsdp_config": dict(FSDP_CONFIG)}),
+        **({"fsdp": True, "fsdp_config": dict(FSDP_CONFIG)} if fsdp and not from_launcher else {}),
     )
     probe, at_start = ShardingProbe(), SaveAtStart(opts.out / "mask_step0")
     trainer = Trainer(
@@ -156,7 +160,7 @@ def main() -> None:
         ),
     )
     at_start.trainer = trainer
-    if not opts.ddp:
+    if fsdp:
         enable_fsdp_on_cpu(trainer)
     trainer.train()
     save_mask(trainer, opts.out / "mask")

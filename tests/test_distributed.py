@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,11 +51,20 @@ def test_ddp_two_processes_agree(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- FSDP
-def _launch(out: Path, *args: str) -> None:
-    """``tests/fsdp_train.py`` in 2 CPU processes (torchrun, gloo); see that script for what it writes."""
+def _launch(out: Path, *args: str, config: str | None = None) -> None:
+    """``tests/fsdp_train.py`` in 2 CPU processes (gloo): with torchrun, or with ``accelerate launch --config_file
+    examples/<config>``; see that script for what it writes."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    if config is None:  # --standalone: torchrun picks a free port for its rendezvous
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config_file = HERE.parent / "examples" / config
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+        cmd += ["--num_processes", "2", "--main_process_port", str(port)]
     result = subprocess.run(
         [*cmd, str(HERE / "fsdp_train.py"), str(out), *args],
         env=env,
@@ -82,13 +92,13 @@ def _stats(evidence: dict) -> list[tuple[int, float, float]]:
 
 @pytest.mark.slow
 def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
-    """FSDP2 through ``TrainingArguments(fsdp=True, fsdp_config=...)`` (accelerate's plugin), 2 CPU processes."""
+    """FSDP2 as examples/accelerate_fsdp.yaml configures it (accelerate's plugin), 2 CPU processes."""
     from models import tiny_llama
 
     from hf_maskllm import MaskConfig, MaskModel, get_mask_model
     from hf_maskllm.patterns import candidate_patterns
 
-    _launch(tmp_path, "--optimizer", "adamw")
+    _launch(tmp_path, config="accelerate_fsdp.yaml")
     evidence = [json.loads((tmp_path / f"evidence{r}.json").read_text()) for r in (0, 1)]
     init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
     layers = init.masked_layers()
@@ -147,25 +157,12 @@ def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        "adamw",
-        pytest.param(
-            "maskadamw",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="MaskAdamW mixes FSDP2's DTensor parameters with plain state tensors (hf_maskllm/optim.py, "
-                "see docs/distributed.md); remove this mark once it handles them",
-            ),
-        ),
-    ],
-)
-def test_fsdp_learns_the_same_mask_as_ddp(tmp_path, optimizer):
-    """Same data, seeds and per-rank noise: FSDP2 and DDP end with the same float32 logits, bit for bit."""
-    for mode in ("fsdp", "ddp"):  # FSDP first: it is the one that may fail
+def test_fsdp_learns_the_same_mask_as_ddp(tmp_path):
+    """Same data, seeds and per-rank noise: FSDP2 (``TrainingArguments(fsdp=True, fsdp_config=...)``) and DDP
+    end with the same float32 logits, bit for bit."""
+    for mode in ("fsdp", "ddp"):
         flags = ["--ddp"] if mode == "ddp" else []
-        _launch(tmp_path / mode, "--optimizer", optimizer, "--logits-dtype", "float32", *flags)
+        _launch(tmp_path / mode, "--logits-dtype", "float32", *flags)
     logits = {
         mode: load_file(tmp_path / mode / "mask" / "mask_logits.safetensors") for mode in ("fsdp", "ddp")
     }
@@ -180,3 +177,43 @@ def test_fsdp_learns_the_same_mask_as_ddp(tmp_path, optimizer):
     assert [s[0] for s in stats[0]] == [s[0] for s in stats[1]]
     for fsdp_record, ddp_record in zip(*stats):
         assert fsdp_record == pytest.approx(ddp_record, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_ddp_replicas_stay_identical_with_mask_adamw(tmp_path):
+    """Default settings (bf16 logits, MaskAdamW) under examples/accelerate_ddp.yaml: replicas stay identical."""
+    _launch(tmp_path, "--ddp", config="accelerate_ddp.yaml")
+    replicas = [load_file(tmp_path / f"full{r}.safetensors") for r in (0, 1)]
+    initial = load_file(tmp_path / "mask_step0" / "mask_logits.safetensors")
+    assert initial.keys() == {f"{name}.logits" for name in replicas[0]}
+    for name in replicas[0]:
+        assert not torch.equal(replicas[0][name], initial[f"{name}.logits"])
+        assert torch.equal(replicas[0][name], replicas[1][name]), name
+
+
+# ---------------------------------------------------------------------------------------------- save from a state dict
+def test_save_pretrained_from_a_gathered_state_dict(tmp_path):
+    """What the main process does under FSDP: save the logits of a (gathered) state dict, not the layers' own."""
+    from models import tiny_llama
+
+    from hf_maskllm import MaskConfig, MaskModel, get_mask_model
+    from hf_maskllm.errors import ConfigError
+
+    mm = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
+    state_dict = {k: v.clone() for k, v in mm.state_dict().items()}
+    name = mm.masked_names[0]
+    key = f"base_model.{name}.mask_logits"
+    state_dict[key] = -state_dict[key]  # other logits than the layer's: the saved mask must follow them
+    mm.save_pretrained(tmp_path / "mask", state_dict=state_dict, save_logits=True)
+    loaded = MaskModel.from_pretrained(tiny_llama(seed=0), tmp_path / "mask")
+    for layer_name, layer in loaded.masked_layers().items():
+        assert torch.equal(layer.mask_logits, state_dict[f"base_model.{layer_name}.mask_logits"])
+    assert not torch.equal(loaded.hard_masks()[name], mm.hard_masks()[name])
+
+    with pytest.raises(ConfigError, match="lacks"):
+        mm.save_pretrained(tmp_path / "missing", state_dict={k: v for k, v in state_dict.items() if k != key})
+    with pytest.raises(ConfigError, match="one shard"):
+        mm.save_pretrained(tmp_path / "shard", state_dict={**state_dict, key: state_dict[key][:8]})
+    with pytest.raises(ConfigError, match="mask saves only"):
+        mm.save_pretrained(tmp_path / "merged", merged=True, state_dict=state_dict)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mask"]
