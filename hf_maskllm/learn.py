@@ -16,6 +16,7 @@ import torch
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from .adapters.callback import MaskAnnealCallback
+from .adapters.fused_linear import compiled_sampling, set_compiled_sampling
 from .adapters.model import MaskModel
 from .optim import MaskAdamW, compiler_available
 
@@ -84,10 +85,11 @@ def learn_mask(
         )
         compile_sampling = False
     if optimizer_cls_and_kwargs is None:
-        optimizer_cls_and_kwargs = (
-            MaskAdamW,
-            {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
-        )
+        optimizer_kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
+        optimizer_kwargs["eps"] = args.adam_epsilon
+        if compile_sampling is not None:
+            optimizer_kwargs["compile"] = compile_sampling
+        optimizer_cls_and_kwargs = (MaskAdamW, optimizer_kwargs)
     extra = [cb for cb in (callbacks or []) if not isinstance(cb, MaskAnnealCallback)]
     trainer = Trainer(
         model=mask_model,
@@ -97,6 +99,10 @@ def learn_mask(
         callbacks=[MaskAnnealCallback(compile_sampling=compile_sampling), *extra],
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
     )
-    trainer.train()
+    previous = compiled_sampling()
+    try:
+        trainer.train()
+    finally:  # the callback restores it at the end of training, but not when training raises
+        set_compiled_sampling(previous)
     mask_model.eval()
     return trainer

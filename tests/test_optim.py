@@ -146,3 +146,58 @@ def test_learn_mask_uses_mask_adamw_and_trainer_warns_for_round_to_nearest(tmp_p
         warnings.simplefilter("always")
         plain.train()
     assert any("MaskAdamW" in str(w.message) and "bfloat16" in str(w.message) for w in caught)
+
+
+def test_replicas_round_identically_whatever_their_rng_state():
+    """DDP replicas get identical gradients; their stochastic rounding must agree too, or they drift."""
+    torch.manual_seed(0)
+    p0 = (torch.randn(512, 6) * 0.05).to(torch.bfloat16)
+    grads = [torch.randn(512, 6).to(torch.bfloat16) for _ in range(3)]
+    replicas = []
+    for rng_seed in (1, 2):
+        torch.manual_seed(rng_seed)  # another global RNG state on each "rank"
+        p = torch.nn.Parameter(p0.clone())
+        opt = MaskAdamW([p], lr=1e-3, compile=False, momentum_dtype=torch.bfloat16)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        replicas.append(p.detach())
+    assert torch.equal(replicas[0], replicas[1])
+    assert not torch.equal(replicas[0], p0)
+
+
+def test_state_dict_round_trip_keeps_dtypes_and_continues_exactly():
+    """torch's load_state_dict casts states to the parameter dtype (bf16); MaskAdamW keeps its own."""
+    torch.manual_seed(0)
+    p0 = (torch.randn(300, 6) * 0.05).to(torch.bfloat16)
+    grads = [torch.randn(300, 6).to(torch.bfloat16) for _ in range(4)]
+
+    def run(resume_after: int | None) -> torch.Tensor:
+        p = torch.nn.Parameter(p0.clone())
+        opt = MaskAdamW([p], lr=1e-3, compile=False, momentum_dtype=torch.bfloat16)
+        for i, g in enumerate(grads):
+            if i == resume_after:
+                saved = opt.state_dict()
+                p = torch.nn.Parameter(p.detach().clone())
+                opt = MaskAdamW([p], lr=1e-3, compile=False, momentum_dtype=torch.bfloat16)
+                opt.load_state_dict(saved)
+                state = opt.state[p]
+                assert state["exp_avg_sq"].dtype == torch.float32 and state["exp_avg"].dtype == torch.bfloat16
+            p.grad = g.clone()
+            opt.step()
+        return p.detach()
+
+    assert torch.equal(run(None), run(2))
+    p = torch.nn.Parameter(p0.clone())
+    with_momentum = MaskAdamW([p], compile=False, momentum_dtype=torch.bfloat16)
+    p.grad = grads[0].clone()
+    with_momentum.step()
+    with pytest.raises(ConfigError, match="momentum_dtype"):
+        MaskAdamW([p], compile=False).load_state_dict(with_momentum.state_dict())
+
+
+def test_flattened_parameters_are_refused_clearly():
+    p = torch.nn.Parameter(torch.zeros(24))
+    p.grad = torch.ones(24)
+    with pytest.raises(ConfigError, match="FSDP2"):
+        MaskAdamW([p], compile=False).step()

@@ -139,7 +139,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             }
         _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
-        self._previous_compiled = set_compiled_sampling(compiled)
+        previous = set_compiled_sampling(compiled)
+        if self._previous_compiled is None:  # a run that raised never reached on_train_end: keep the first
+            self._previous_compiled = previous
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._apply(find_mask_model(model), state.global_step, state.max_steps)

@@ -6,7 +6,7 @@
 Plain autograd would keep, per masked layer and until its backward pass, the noise and the
 probabilities (``[G, C]`` float32, 12 bytes per masked weight for 2:4) and the effective weight
 ``W * mask`` (the size of the layer). :class:`MaskedLinearFunction` keeps only what any linear
-keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and a 16-byte seed. The
+keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and an 8-byte seed. The
 backward pass regenerates noise, probabilities and ``W * mask`` in one pass (the probabilities live
 only until the logits' gradient is computed, one layer at a time), then runs the two matmuls and a
 second pass for the logits' gradient. With :func:`set_compiled_sampling` each pass is one
@@ -19,6 +19,7 @@ import itertools
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .sampling import sample_probs, soft_mask_from_probs
 
@@ -29,10 +30,18 @@ _COMPILED: dict[str, Any] = {}
 
 
 def set_compiled_sampling(enabled: bool) -> bool:
-    """Run the fused math through ``torch.compile`` (first call compiles); returns the previous setting."""
+    """Run the fused math through ``torch.compile`` (first call compiles); returns the previous setting.
+
+    A process-wide switch (``MaskAnnealCallback`` sets it for a training run).
+    """
     global _USE_COMPILED
     previous, _USE_COMPILED = _USE_COMPILED, bool(enabled)
     return previous
+
+
+def compiled_sampling() -> bool:
+    """Whether the fused math currently runs through ``torch.compile``."""
+    return _USE_COMPILED
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:
@@ -122,6 +131,7 @@ class MaskedLinearFunction(torch.autograd.Function):
         return y, reg
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: refuse double backward
     def backward(ctx, grad_y, grad_reg):
         x, weight, logits, seed = ctx.saved_tensors
         tau, kappa, n, m, hard = ctx.args
@@ -132,6 +142,8 @@ class MaskedLinearFunction(torch.autograd.Function):
         )
         grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
         del w_eff
+        if not ctx.needs_input_grad[3]:  # frozen logits
+            return grad_x, None, None, None, None, None, None, None, None, None, None
         grad_w = grad_y.t() @ x  # dL/d(W * mask)
         reg_grad = grad_reg.float() if grad_reg is not None else None
         grad_logits = _run(

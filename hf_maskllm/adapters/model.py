@@ -128,7 +128,8 @@ class MaskModel(nn.Module):
         outputs = self.base_model(*args, **kwargs)
         if track and getattr(outputs, "loss", None) is not None:
             regs = [layer.last_sparse_reg for layer in layers if layer.last_sparse_reg is not None]
-            if torch.is_grad_enabled() and any(not r.requires_grad for r in regs):
+            trainable = any(layer.mask_logits.requires_grad for layer in layers)
+            if torch.is_grad_enabled() and trainable and any(not r.requires_grad for r in regs):
                 warnings.warn(
                     "The sparse weight regulariser gets no gradient in some masked layers: they ran without "
                     "autograd (reentrant activation checkpointing?). Use non-reentrant checkpointing "

@@ -6,8 +6,8 @@ Training: ``p = softmax((kappa * logits + g) / tau)`` per group with Gumbel nois
 The noise is a counter-based hash of ``(seed, element index)``, not a generator's stream: the same
 seed gives the same noise in the forward and in the backward pass (which recomputes it instead of
 keeping it), on any device, and inside one fused compiled loop (``torch.compile`` turns these
-functions into a single C++ / Triton kernel with no ``[G, C]`` tensor in memory). The fused
-training forward / backward of a masked linear that uses them lives in ``fused_linear.py``.
+functions into a single C++ / Triton kernel). The fused training forward / backward of a masked
+linear that uses them lives in ``fused_linear.py``.
 """
 
 from __future__ import annotations
