@@ -47,10 +47,10 @@ class FiniteWatch(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         for p in model.parameters():
             if p.requires_grad:
-                if not torch.isfinite(p).all():
+                if not torch.isfinite(p.detach()).all():
                     self.bad_logits.append(state.global_step)
                     return
-                self.max_abs_logit = max(self.max_abs_logit, float(p.abs().max()))
+                self.max_abs_logit = max(self.max_abs_logit, float(p.detach().abs().max()))
 
 
 def main() -> None:
