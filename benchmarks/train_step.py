@@ -7,7 +7,7 @@ matmul per linear: about 1.4x by itself), the logits' gradient, and the optimize
 configuration runs in its own process (so its peak RSS is its own): median seconds of ``--repeats``
 steps after two warm-up steps (compilation), ratio to dense at the same token count, peak RSS.
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256,4x512 --repeats 3 --bf16]
+Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256,4x512 --repeats 3 --bf16 --device cuda]
 """
 
 from __future__ import annotations
@@ -29,18 +29,22 @@ MODES = {
 }
 
 
-def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool) -> dict:
+def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: str) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
     from hf_maskllm.adapters.fused_linear import set_compiled_sampling
     from hf_maskllm.embedded import load_smollm2
     from hf_maskllm.optim import training_state_bytes
 
     model, _ = load_smollm2()
-    model.train()
+    model.to(device).train()
     for p in model.parameters():
         p.requires_grad_(False)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    ids = torch.randint(
+        0, model.config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0)
+    )
+    ids = ids.to(device)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     state_bytes = None
     if mode == "dense":
 
@@ -66,10 +70,12 @@ def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool) -> dict:
 
     step()
     step()  # warm-up, compilation
+    sync()
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
         step()
+        sync()
         runs.append(time.perf_counter() - start)
     if mode != "dense":
         sizes = training_state_bytes(mask_model, optimizer)
@@ -78,41 +84,65 @@ def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool) -> dict:
     return {
         "seconds": statistics.median(runs),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.device(device).type == "cuda"
+        else None,
         "state_bytes_per_weight": state_bytes,
         "threads": torch.get_num_threads(),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="2x256,4x512", help="batch x seqlen per step, comma separated")
     parser.add_argument("--modes", default="dense,masked,masked-eager")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         batch, seqlen = (int(v) for v in args.shapes.split("x"))
-        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16)))
+        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16, args.device)))
         return
     rows = []
     for shape in args.shapes.split(","):
         batch, seqlen = (int(v) for v in shape.split("x"))
         for mode in args.modes.split(","):
-            cmd = [sys.executable, __file__, "--child", mode, "--shapes", shape, "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                "--shapes",
+                shape,
+                "--repeats",
+                str(args.repeats),
+            ]
             cmd += ["--bf16"] if args.bf16 else []
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            cmd += ["--device", args.device]
+            out = (
+                subprocess.run(cmd, capture_output=True, text=True, check=True)
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             rows.append((batch * seqlen, mode, json.loads(out)))
             print(shape, mode, rows[-1][2], flush=True)
-    print(f"\nSmolLM2-135M-Instruct, {'bf16 autocast' if args.bf16 else 'float32'}, {rows[0][2]['threads']} CPU threads")
-    print("| tokens / step | step | median s | vs dense | peak RSS | training state |")
-    print("|---:|---|---:|---:|---:|---:|")
+    where = args.device if args.device != "cpu" else f"{rows[0][2]['threads']} CPU threads"
+    print(f"\nSmolLM2-135M-Instruct, {'bf16 autocast' if args.bf16 else 'float32'}, {where}")
+    print("| tokens / step | step | median s | vs dense | peak RSS | peak GPU | training state |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for tokens, mode, r in rows:
         dense = next(x for t, m, x in rows if t == tokens and m == "dense")["seconds"]
         state = f"{r['state_bytes_per_weight']:.2f} B / masked weight" if r["state_bytes_per_weight"] else ""
+        gpu = f"{r['peak_gpu_gib']:.2f} GiB" if r.get("peak_gpu_gib") is not None else ""
         print(
             f"| {tokens} | {MODES[mode]} | {r['seconds']:.2f} | {r['seconds'] / dense:.2f}x | "
-            f"{r['peak_rss_gib']:.2f} GiB | {state} |"
+            f"{r['peak_rss_gib']:.2f} GiB | {gpu} | {state} |"
         )
 
 
