@@ -92,7 +92,7 @@ def gumbel_uniform(seed: torch.Tensor, groups: int, choices: int, device: torch.
     return bits_to_uniform(hash_bits(seed, groups, choices, device))
 
 
-def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau, kappa) -> list[torch.Tensor]:
+def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau: float, kappa: float) -> list[torch.Tensor]:
     """``softmax((kappa * logits + g) / tau)`` with ``g = -log(-log u)``: C float32 columns ``[G]``.
 
     Column by column (C is small and static) so that compiled code vectorises over groups; a
