@@ -48,7 +48,7 @@ def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
     if low:
         warnings.warn(
             f"Mask logits are {', '.join(sorted(low))} but the optimizer is {type(optimizer).__name__}: updates "
-            "below half a 16-bit step are rounded away and the masks barely learn. Use hf_maskllm.MaskAdamW "
+            "below half a 16-bit step are rounded away, so the masks learn less. Use hf_maskllm.MaskAdamW "
             "(Trainer(optimizer_cls_and_kwargs=(MaskAdamW, {'lr': 5e-4}))) or MaskConfig(logits_dtype='float32').",
             stacklevel=2,
         )
