@@ -155,6 +155,7 @@ def test_fused_linear_matches_float64_autograd(n, m):
 def test_fused_linear_hard_no_bias_and_transposed_weight():
     _fused_vs_reference(2, 4, 12, 20, hard=True)
     _fused_vs_reference(2, 4, 12, 20, bias=False, transposed=True)
+    _fused_vs_reference(2, 4, 12, 20, hard=True, transposed=True)
 
 
 @pytest.mark.slow
