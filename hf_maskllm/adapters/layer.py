@@ -76,7 +76,8 @@ class MaskedLinear(nn.Module):
         return soft.reshape(self.out_features, self.in_features)
 
     def masked_weight(self) -> torch.Tensor:
-        """The effective ``[out, in]`` weight this layer uses in its current mode."""
+        """The effective ``[out, in]`` weight in the current mode (training: a fresh soft sample by plain
+        autograd; the training forward computes the same thing fused, ``fused_linear.py``)."""
         weight = dense_weight_view(self.base_layer)
         if self.training:
             return weight * self.sample_mask().to(weight.dtype)
@@ -89,10 +90,10 @@ class MaskedLinear(nn.Module):
         bias = getattr(self.base_layer, "bias", None)
         weight = dense_weight_view(self.base_layer)
         if not self.training:
-            return F.linear(x, weight * self.hard_mask().to(weight.dtype), bias)
+            return F.linear(x, self.masked_weight(), bias)
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             # Someone unfroze the base layer: plain autograd also gives its gradients.
-            masked = weight * self.sample_mask().to(weight.dtype)
+            masked = self.masked_weight()
             if self.track_sparse_reg:
                 self.last_sparse_reg = masked.float().square().sum()
             return F.linear(x, masked, bias)
