@@ -83,7 +83,7 @@ def time_calls(fns: list, reps: int, use_graph: bool) -> float:
 
 def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
     from hf_maskllm.kernels import nm_linear
-    from hf_maskllm.kernels.ops import nm_linear_dot, nm_linear_gemv
+    from hf_maskllm.kernels.ops import DECODE_MAX_TOKENS, nm_linear_decode, nm_linear_dot, nm_linear_expand
 
     w = make_24(out_f, in_f, dtype, device)
     values, meta = compress_24(w)
@@ -108,30 +108,30 @@ def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
         x = torch.randn(batch, in_f, device=device, dtype=dtype)
         # ---- correctness first: both kernels and the dispatcher against F.linear on the dense weight
         ref = F.linear(x.float(), w.float())
-        outs = {"nm_linear": nm_linear(x, values, meta, 2, 4, in_f), "dot": nm_linear_dot(x, values, meta)}
-        if batch <= 16:
-            outs["gemv"] = nm_linear_gemv(x, values, meta)
+        outs = {
+            "nm_linear": nm_linear(x, values, meta, 2, 4, in_f),
+            "dot": nm_linear_dot(x, values, meta),
+            "expand": nm_linear_expand(x, values, meta),
+        }
+        if batch <= DECODE_MAX_TOKENS:
+            outs["decode"] = nm_linear_decode(x, values, meta)
         for name, y in outs.items():
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             if not err < 2e-2:
                 raise SystemExit(f"WRONG: {name} {out_f}x{in_f} batch {batch}: max rel err {err:.3g}")
         if dry_run:
-            rows.append((out_f, in_f, batch, "checked", "-", "-", "-", "-", "-", "-"))
+            rows.append((out_f, in_f, batch, "checked", *["-"] * 8))
             continue
         # ---- timings (us per call)
         t_dense = time_calls([lambda w=w, x=x: F.linear(x, w) for w in ws], reps, True)
         t_nm = time_calls([lambda v=v, m=m, x=x: nm_linear(x, v, m, 2, 4, in_f) for v, m in vm], reps, True)
-        # the large-batch alternative: decompress on the fly and call cuBLAS (what a fallback would cost)
-        t_alt = float("nan")
-        if batch > 16:
-            from hf_maskllm.kernels.ops import nm_linear_torch
-
-            try:
-                t_alt = time_calls(
-                    [lambda v=v, m=m, x=x: nm_linear_torch(x, v, m, 2, 4, in_f) for v, m in vm], reps, True
-                )
-            except ImportError:  # hf_maskllm.sparse.format missing
-                pass
+        # every route at every size, to place the dispatch thresholds (ops.DECODE_MAX_TOKENS,
+        # ops.EXPAND_MIN_TOKENS) from measurements
+        t_dec = float("nan")
+        if batch <= DECODE_MAX_TOKENS:
+            t_dec = time_calls([lambda v=v, m=m, x=x: nm_linear_decode(x, v, m) for v, m in vm], reps, True)
+        t_dot = time_calls([lambda v=v, m=m, x=x: nm_linear_dot(x, v, m) for v, m in vm], reps, True)
+        t_exp = time_calls([lambda v=v, m=m, x=x: nm_linear_expand(x, v, m) for v, m in vm], reps, True)
         t_semi = float("nan")
         if semi is not None:
             try:
@@ -141,7 +141,8 @@ def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
         moved = sparse_bytes + x.numel() * x.element_size() + batch * out_f * x.element_size()
         rows.append((
             out_f, in_f, batch, f"{t_dense:.1f}", f"{t_nm:.1f}", f"{t_dense / t_nm:.2f}x",
-            f"{moved / t_nm / 1e3:.0f}", f"{t_semi:.1f}", f"{t_dense / t_semi:.2f}x", f"{t_alt:.1f}",
+            f"{moved / t_nm / 1e3:.0f}", f"{t_dec:.1f}", f"{t_dot:.1f}", f"{t_exp:.1f}",
+            f"{t_semi:.1f}", f"{t_dense / t_semi:.2f}x",
         ))  # fmt: skip
         print("  " + " | ".join(str(c) for c in rows[-1]), flush=True)
 
@@ -150,7 +151,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="two shapes, batches 1/16/2048, fewer repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="three shapes, batches 1/4/16/2048, fewer repeats"
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny shapes, correctness only (CPU interpreter)"
     )
@@ -168,11 +171,11 @@ def main() -> None:
         device, dtype = "cuda", torch.bfloat16
         shapes, batches, reps = SHAPES, BATCHES, 15
         if args.quick:
-            shapes, batches, reps = [(4096, 4096), (14336, 4096)], [1, 16, 2048], 7
+            shapes, batches, reps = [(4096, 4096), (14336, 4096), (4096, 14336)], [1, 4, 16, 2048], 7
     torch.manual_seed(0)
     header = (
         "out", "in", "batch", "dense us", "2:4 us", "2:4 speedup", "2:4 GB/s (compressed)",
-        "semi-structured us", "semi speedup", "decompress+F.linear us",
+        "decode kernel us", "tl.dot kernel us", "expand+cuBLAS us", "semi-structured us", "semi speedup",
     )  # fmt: skip
     rows: list[tuple] = []
     t0 = time.time()

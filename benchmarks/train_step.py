@@ -8,6 +8,8 @@ configuration runs in its own process (so its peak RSS is its own): median secon
 steps after two warm-up steps (compilation), ratio to dense at the same token count, peak RSS.
 
 Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256,4x512 --repeats 3 --bf16 --device cuda]
+GPU machine (no SmolLM2 file there): add ``--model llama-1b`` (Llama-3.2-1B shape, random weights:
+the step's cost does not depend on the weights' values).
 """
 
 from __future__ import annotations
@@ -29,13 +31,32 @@ MODES = {
 }
 
 
-def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: str) -> dict:
+LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def load_model(name: str):
+    """SmolLM2-135M-Instruct (the embedded real model) or a random Llama-3.2-1B-shaped model."""
+    if name == "smollm2":
+        from hf_maskllm.embedded import load_smollm2
+
+        return load_smollm2()[0]
+    if name == "llama-1b":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+    raise SystemExit(f"unknown --model {name!r}; use smollm2 or llama-1b")
+
+
+def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: str, model_name: str) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
     from hf_maskllm.adapters.fused_linear import set_compiled_sampling
-    from hf_maskllm.embedded import load_smollm2
     from hf_maskllm.optim import training_state_bytes
 
-    model, _ = load_smollm2()
+    model = load_model(model_name)
     model.to(device).train()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -103,11 +124,12 @@ def main() -> None:
         "--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model", default="smollm2", help="smollm2 (real, embedded) or llama-1b (random)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         batch, seqlen = (int(v) for v in args.shapes.split("x"))
-        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16, args.device)))
+        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16, args.device, args.model)))
         return
     rows = []
     for shape in args.shapes.split(","):
@@ -124,7 +146,7 @@ def main() -> None:
                 str(args.repeats),
             ]
             cmd += ["--bf16"] if args.bf16 else []
-            cmd += ["--device", args.device]
+            cmd += ["--device", args.device, "--model", args.model]
             out = (
                 subprocess.run(cmd, capture_output=True, text=True, check=True)
                 .stdout.strip()
@@ -133,7 +155,10 @@ def main() -> None:
             rows.append((batch * seqlen, mode, json.loads(out)))
             print(shape, mode, rows[-1][2], flush=True)
     where = args.device if args.device != "cpu" else f"{rows[0][2]['threads']} CPU threads"
-    print(f"\nSmolLM2-135M-Instruct, {'bf16 autocast' if args.bf16 else 'float32'}, {where}")
+    title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
+        args.model
+    ]
+    print(f"\n{title}, {'bf16 autocast' if args.bf16 else 'float32'}, {where}")
     print("| tokens / step | step | median s | vs dense | peak RSS | peak GPU | training state |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for tokens, mode, r in rows:

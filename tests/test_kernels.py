@@ -8,40 +8,32 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math
-
 import pytest
 import torch
 
 from hf_maskllm.errors import CheckpointError, ConfigError, MaskLLMError
-from hf_maskllm.kernels import GEMV_MAX_TOKENS, nm_linear
-from hf_maskllm.kernels.ops import nm_linear_dot, nm_linear_gemv
+from hf_maskllm.kernels import DECODE_MAX_TOKENS, EXPAND_MIN_TOKENS, nm_linear
+from hf_maskllm.kernels.ops import (
+    nm_decompress_24,
+    nm_linear_decode,
+    nm_linear_dot,
+    nm_linear_expand,
+)
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from kernel_reference import assert_close, make_case, ref_compress  # noqa: E402
+
+from hf_maskllm.kernels.expand import expand_24_words  # noqa: E402
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="kernel tests run the Triton interpreter on CPU"
 )
 
 # ------------------------------------------------------------------------------------------------
-# Reference format (written from the contract, independent of hf_maskllm.sparse.format)
+# Reference format (tests/kernel_reference.py, written from the contract)
 # ------------------------------------------------------------------------------------------------
-
-
-def ref_compress(weight: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep the n largest |w| of each group of m; return (values, meta, dense pruned weight)."""
-    out, inp = weight.shape
-    groups = weight.reshape(out, inp // m, m)
-    idx = groups.abs().topk(n, dim=-1).indices.sort(dim=-1).values  # [out, G, n], increasing positions
-    values = groups.gather(-1, idx).reshape(out, inp * n // m)
-    dense = torch.zeros_like(groups).scatter(-1, idx, groups.gather(-1, idx)).reshape(out, inp)
-    # bitstream: kept value j's position at bits [j*b, (j+1)*b), bit k = bit k%8 of byte k//8
-    b = math.ceil(math.log2(m))
-    pos = idx.reshape(out, -1).to(torch.int64)
-    nbytes = math.ceil(pos.shape[1] * b / 8)
-    bits = ((pos[:, :, None] >> torch.arange(b)) & 1).reshape(out, -1)
-    bits = torch.cat([bits, bits.new_zeros(out, nbytes * 8 - bits.shape[1])], dim=1).reshape(out, nbytes, 8)
-    meta = (bits << torch.arange(8)).sum(-1).to(torch.uint8)
-    return values, meta, dense
 
 
 def test_ref_compress_matches_the_contract_by_hand():
@@ -66,40 +58,75 @@ def test_real_format_matches_reference(n, m):
     assert torch.equal(decompress(values, meta, n, m, 48), dense)
 
 
-# ------------------------------------------------------------------------------------------------
-# Helpers
-# ------------------------------------------------------------------------------------------------
-
-
-def make_case(tokens, out_f, in_f, dtype, bias, seed=0, lead=None):
-    """Random x and 2:4 weight (never zeros); the float64 reference uses the rounded inputs."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (*lead, in_f) if lead else (tokens, in_f)
-    x = torch.randn(shape, generator=g).to(dtype)
-    values, meta, dense = ref_compress(torch.randn(out_f, in_f, generator=g).to(dtype), 2, 4)
-    b = torch.randn(out_f, generator=g).to(dtype) if bias else None
-    ref = x.double() @ dense.double().T + (b.double() if bias else 0.0)
-    scale = x.double().abs() @ dense.double().abs().T  # bounds the fp32 accumulation error
-    return x, values, meta, b, ref, scale
-
-
-def assert_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not torch.isnan(y).any(), f"NaN (unwritten output?) at {torch.isnan(y).nonzero()[:10].tolist()}"
-    y, ref = y.double(), ref
-    # fp32 accumulation in any order: a few fp32 eps of sum |x||w|
-    tol = 4 * torch.finfo(torch.float32).eps * (scale + 1.0)
-    if dtype != torch.float32:
-        # final cast to fp16/bf16: half an ulp on the GPU; the interpreter truncates bf16 -> one full ulp
-        ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))))
-        tol = tol + ulp.clamp_min(torch.finfo(dtype).smallest_normal)
-    bad = (y - ref).abs() > tol
-    if bad.any():
-        idx = bad.nonzero()[:10]
-        rows = [(i.tolist(), y[tuple(i)].item(), ref[tuple(i)].item(), tol[tuple(i)].item()) for i in idx]
-        pytest.fail(f"{int(bad.sum())} mismatches; first (index, got, want, tol): {rows}")
-
-
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+# ------------------------------------------------------------------------------------------------
+# The word expansion (byte-permute selectors) on its own
+# ------------------------------------------------------------------------------------------------
+
+# the six sorted position pairs (p0 < p1) a 2:4 group can have, as nibbles p0 | p1 << 2
+NIBBLES = [p0 | p1 << 2 for p0 in range(4) for p1 in range(p0 + 1, 4)]
+
+
+def prmt_spec(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` default mode, from the ISA manual: byte i of the result is byte
+    ``sel[4i+2:4i]`` of the 8-byte value ``b:a``, sign-replicated when bit ``4i+3`` is set."""
+    src = (b << 32) | a
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def test_prmt_selectors_rebuild_every_group_with_the_ptx_instruction():
+    # the GPU path is `prmt(word, 0, sel)` / `prmt(word, 0, sel >> 16)`; check it against the spec
+    def selector(nib):  # the formula of hf_maskllm.kernels.expand.prmt_selectors, in Python
+        return (0x44444444 - (0x34 << ((nib & 3) << 3)) - (0x12 << ((nib >> 2) << 3))) & 0xFFFFFFFF
+
+    v0, v1 = 0xBEEF, 0x8001  # sign bits set: sign replication would show
+    for nib in NIBBLES:
+        sel = selector(nib)
+        assert all(((sel >> (4 * i)) & 0xF) <= 4 for i in range(8)), "selector nibbles must be 0..4"
+        word = v0 | v1 << 16
+        dense = prmt_spec(word, 0, sel & 0xFFFF) | prmt_spec(word, 0, sel >> 16) << 32
+        want = [0, 0, 0, 0]
+        want[nib & 3], want[nib >> 2] = v0, v1
+        assert [(dense >> (16 * p)) & 0xFFFF for p in range(4)] == want, f"nibble {nib}"
+
+
+@triton.jit
+def _expand_kernel(words_ptr, nib_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)[:, None]
+    words = tl.load(words_ptr + rows * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)[None, :])
+    nib = tl.load(nib_ptr + rows * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)[None, :])
+    w = expand_24_words(words, nib, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_expand_24_words_against_the_format(dtype):
+    """Every position pair and random bit patterns: the dense tile is the format's, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n_rows, groups = 6, 16
+    # every nibble in every row; random 16-bit patterns for the values (negatives, subnormals, NaNs)
+    nib = torch.tensor(NIBBLES * groups, dtype=torch.int32)[: n_rows * groups].reshape(n_rows, groups)
+    nib = nib[:, torch.randperm(groups, generator=g)].contiguous()
+    bits = torch.randint(-(2**15), 2**15, (n_rows, groups, 2), generator=g, dtype=torch.int16)
+    values = bits.view(dtype).reshape(n_rows, 2 * groups)
+    pad = 8 - n_rows  # BLOCK_N must be a power of two: pad the rows
+    words = torch.cat([values.view(torch.int32), torch.zeros(pad, groups, dtype=torch.int32)])
+    nibs = torch.cat([nib, torch.full((pad, groups), 4, dtype=torch.int32)])
+    out = torch.full((8, 4 * groups), 7.0, dtype=dtype)  # poison
+    _expand_kernel[(1,)](words, nibs, out, BLOCK_N=8, BLOCK_K=4 * groups)
+    want = torch.zeros(n_rows, groups, 4, dtype=torch.int16)
+    idx = torch.stack([nib & 3, nib >> 2], dim=-1).long()
+    want.scatter_(-1, idx, bits)
+    assert torch.equal(out[:n_rows].view(torch.int16).reshape(n_rows, groups, 4), want)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,11 +137,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 3, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_kernel(tokens, dtype, bias):
+def test_decode_kernel(tokens, dtype, bias):
     # out=123 and in=204 (51 groups, odd meta-byte tail) are not multiples of any block size
     x, values, meta, b, ref, scale = make_case(tokens, 123, 204, dtype, bias, seed=tokens)
     out = torch.full((tokens, 123), float("nan"), dtype=dtype)  # poison: every element must be written
-    y = nm_linear_gemv(x, values, meta, b, out=out)
+    y = nm_linear_decode(x, values, meta, b, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert_close(y, ref, scale, dtype)
 
@@ -130,7 +157,19 @@ def test_dot_kernel(tokens, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("lead", [(2, 5), (2, 40)], ids=["gemv", "dot"])
+@pytest.mark.parametrize("fn,tokens", [(nm_linear_decode, 5), (nm_linear_dot, 33)], ids=["decode", "dot"])
+def test_kernels_on_whole_blocks_and_unaligned_values(fn, tokens, dtype):
+    # in=256: K a multiple of every BLOCK_K (the EVEN_K path, no masks along K)
+    x, values, meta, b, ref, scale = make_case(tokens, 64, 256, dtype, True, seed=11)
+    assert_close(fn(x, values, meta, b), ref, scale, dtype)
+    # 16-bit values 2 bytes off a 4-byte boundary cannot be read as words: the select path runs
+    shifted = torch.empty(values.numel() + 1, dtype=dtype)[1:].view_as(values).copy_(values)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 4 == 2
+    assert_close(fn(x, shifted, meta, b), ref, scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lead", [(2, 5), (2, 40)], ids=["decode", "dot"])
 def test_nm_linear_3d(lead, dtype):
     x, values, meta, b, ref, scale = make_case(None, 70, 96, dtype, True, seed=7, lead=lead)
     y = nm_linear(x, values, meta, 2, 4, 96, b)
@@ -138,11 +177,39 @@ def test_nm_linear_3d(lead, dtype):
     assert_close(y, ref, scale, dtype)
 
 
-def test_dispatch_boundary_agrees():
-    # GEMV_MAX_TOKENS tokens go to the GEMV kernel, one more to tl.dot; both must match the reference
-    for tokens in (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decompress_kernel_is_exact(dtype):
+    # out=37, in=204: partial row and column blocks, odd meta-byte tail; exact, not just close
+    g = torch.Generator().manual_seed(21)
+    values, meta, dense = ref_compress(torch.randn(37, 204, generator=g).to(dtype), 2, 4)
+    assert torch.equal(nm_decompress_24(values, meta, 204), dense)
+    shifted = torch.empty(values.numel() + 1, dtype=dtype)[1:].view_as(values).copy_(values)
+    assert torch.equal(nm_decompress_24(shifted, meta, 204), dense)  # unaligned: the select path
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_route(dtype):
+    x, values, meta, b, ref, scale = make_case(5, 37, 204, dtype, True, seed=22)
+    assert_close(nm_linear_expand(x, values, meta, b), ref, scale, dtype)
+
+
+def test_dispatch_boundaries_agree(monkeypatch):
+    # each route's last and first token count must match the reference (the expand threshold is
+    # lowered so that the test stays small: the boundary logic is what is checked)
+    import hf_maskllm.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "EXPAND_MIN_TOKENS", 24)
+    calls = []
+    for name in ("nm_linear_decode", "nm_linear_dot", "nm_linear_expand"):
+        fn = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k)
+        )
+    for tokens in (DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1, 23, 24):
         x, values, meta, _, ref, scale = make_case(tokens, 40, 64, torch.float32, False, seed=tokens)
         assert_close(nm_linear(x, values, meta, 2, 4, 64), ref, scale, torch.float32)
+    assert calls == ["nm_linear_decode", "nm_linear_dot", "nm_linear_dot", "nm_linear_expand"]
+    assert DECODE_MAX_TOKENS < EXPAND_MIN_TOKENS
 
 
 def test_weight_not_symmetric_in_positions():
@@ -154,9 +221,11 @@ def test_weight_not_symmetric_in_positions():
             w[r, 4 * g + (r + g + 1) % 4] = -(2.0 + r + 10 * g)
     values, meta, dense = ref_compress(w, 2, 4)
     x = torch.randn(2, 16)
-    ref = x.double() @ dense.double().T
-    for fn in (nm_linear_gemv, nm_linear_dot):
-        assert_close(fn(x, values, meta), ref, x.double().abs() @ dense.double().abs().T, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):  # the select expansion and the word expansion
+        xd, vd = x.to(dtype), values.to(dtype)
+        ref = xd.double() @ dense.to(dtype).double().T
+        for fn in (nm_linear_decode, nm_linear_dot):
+            assert_close(fn(xd, vd, meta), ref, xd.double().abs() @ dense.double().abs().T, dtype)
 
 
 def test_torch_compile_fullgraph():
@@ -210,7 +279,7 @@ def test_errors():
     with pytest.raises(ConfigError):
         nm_linear(x, values, meta, 4, 4, 16)
     with pytest.raises(MaskLLMError, match="tokens"):
-        nm_linear_gemv(torch.randn(GEMV_MAX_TOKENS + 1, 16, dtype=torch.float16), values, meta)
+        nm_linear_decode(torch.randn(DECODE_MAX_TOKENS + 1, 16, dtype=torch.float16), values, meta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,26 +290,40 @@ _COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_maskllm.kernels.nm_gemv import nm24_gemv_kernel
+from hf_maskllm.kernels.nm_decode import nm24_decode_kernel
 from hf_maskllm.kernels.nm_dot import nm24_dot_kernel
-sig = {"x_ptr": "*bf16", "values_ptr": "*bf16", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-       "num_tokens": "i32", "out_features": "i32", "in_features": "i32",
-       "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32"}
-def build(fn, constexprs, extra=None, **options):
+from hf_maskllm.kernels.nm_expand import nm24_expand_kernel
+def build(fn, dtype, words, constexprs, extra=None, **options):
+    sig = {"x_ptr": f"*{dtype}", "values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8",
+           "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "num_tokens": "i32", "out_features": "i32",
+           "in_features": "i32", "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32"}
+    constexprs = {**constexprs, "WORDS": words, "UPCAST": False, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     src = ASTSource(fn, {**sig, **(extra or {}), **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-build(nm24_gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256), num_warps=4)
-build(nm24_gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=4, BLOCK_K=64), num_warps=4)
-ptx = build(nm24_dot_kernel, dict(HAS_BIAS=True, UPCAST=False, INPUT_PRECISION="tf32",
-            BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, num_warps=4, num_stages=4)
-assert "wgmma" in ptx, "the tl.dot kernel should use Hopper wgmma"
+for dtype, words in (("bf16", True), ("fp16", True), ("bf16", False), ("fp32", False)):
+    for bn, bk, w, even in ((16, 256, 1, True), (128, 128, 4, False)):
+        ptx = build(nm24_decode_kernel, dtype, words,
+                    dict(HAS_BIAS=not even, EVEN_K=even, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk), num_warps=w)
+        assert ("prmt.b32" in ptx) == words, "the word expansion should be byte permutes"
+        if dtype != "fp32":
+            assert ("wgmma" if bn >= 64 else "mma.sync") in ptx, "decode should run on the tensor cores"
+    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=True, EVEN_K=False,
+                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, num_warps=4, num_stages=4)
+    if dtype != "fp32":
+        assert "wgmma" in ptx, "the tl.dot kernel should use Hopper wgmma"
+    sig = {"values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8", "out_ptr": f"*{dtype}",
+           "out_features": "i32", "in_features": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_on": "i32"}
+    consts = {"WORDS": words, "BLOCK_N": 32, "BLOCK_K": 256}
+    src = ASTSource(nm24_expand_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert ("prmt.b32" in ptx) == words
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    """Compile both kernels to sm_90 PTX with Triton's own toolchain (no GPU needed, ~15 s)."""
+    """Compile all three kernels (bf16/fp16 words, select path, fp32) to sm_90 PTX without a GPU."""
     import subprocess
     import sys
 

@@ -3,6 +3,6 @@
 Triton is imported lazily: importing this package needs only torch.
 """
 
-from .ops import GEMV_MAX_TOKENS, nm_linear
+from .ops import DECODE_MAX_TOKENS, EXPAND_MIN_TOKENS, nm_linear
 
-__all__ = ["GEMV_MAX_TOKENS", "nm_linear"]
+__all__ = ["DECODE_MAX_TOKENS", "EXPAND_MIN_TOKENS", "nm_linear"]

@@ -1,9 +1,10 @@
 """2:4 sparse matmul for many tokens (prefill, large batches): tile-expanding ``tl.dot``.
 
 Upstream Triton has no sparse tensor-core MMA, so each program loads the compressed weight tile,
-expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers (:func:`expand_24`, shared with the
-GEMV kernel) and feeds the dense tensor cores: ``acc[M, N] += x[M, K] @ w[N, K].T`` in fp32.
-At best it matches dense cuBLAS (the work is dense); what it saves is the weight bytes read.
+expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers (:mod:`.expand`, shared with the
+decode kernel) and feeds the dense tensor cores: ``acc[M, N] += x[M, K] @ w[N, K].T`` in fp32.
+At best it matches dense cuBLAS (the work is dense); what it saves is the weight bytes read, and
+the expansion must stay under the tile's tensor-core time (``benchmarks/kernel_sass.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nm_gemv import INTERPRET, expand_24
+from .expand import INTERPRET, expand_24, expand_24_words
 
 __all__ = ["nm24_dot", "nm24_dot_kernel"]
 
@@ -20,7 +21,7 @@ __all__ = ["nm24_dot", "nm24_dot_kernel"]
 def nm24_dot_kernel(
     # Pointers
     x_ptr,  # [T, K] activations
-    values_ptr,  # [N, K/2] kept weights
+    values_ptr,  # WORDS: int32 [N, K/4] (the values viewed as words); else [N, K/2] in x's dtype
     meta_ptr,  # [N, ceil(K/8)] uint8 positions
     bias_ptr,  # [N] or a dummy pointer when HAS_BIAS is False
     out_ptr,  # [T, N]
@@ -36,8 +37,10 @@ def nm24_dot_kernel(
     stride_ot,
     # Meta-parameters
     HAS_BIAS: tl.constexpr,
+    WORDS: tl.constexpr,  # 16-bit weights read as kept-value words and expanded with byte permutes
     UPCAST: tl.constexpr,  # interpreter: compute in fp32 (its bf16 arithmetic is wrong)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    EVEN_K: tl.constexpr,  # in_features % BLOCK_K == 0: no masks along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # dense input columns per step (multiple of 16)
@@ -54,35 +57,59 @@ def nm24_dot_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
+    BLOCK_G: tl.constexpr = BLOCK_K // 4
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kc = tl.arange(0, BLOCK_K // 2)
-    offs_kb = tl.arange(0, BLOCK_K // 8)
+    offs_g = tl.arange(0, BLOCK_G)  # groups of one step
+    offs_b = tl.arange(0, BLOCK_G // 2)  # meta bytes of one step
     mask_m = offs_m < num_tokens
     mask_n = offs_n < out_features
+    groups = in_features // 4
+    meta_bytes = (in_features + 7) // 8
     # int64 row offsets: T * K and N * K/2 can exceed 2**31
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    v_ptrs = values_ptr + offs_n.to(tl.int64)[:, None] * stride_vn + offs_kc[None, :]
-    m_ptrs = meta_ptr + offs_n.to(tl.int64)[:, None] * stride_mn + offs_kb[None, :]
-    kc_total = in_features // 2
-    kb_total = (in_features + 7) // 8
+    m_ptrs = meta_ptr + offs_n.to(tl.int64)[:, None] * stride_mn + offs_b[None, :]
+    if WORDS:
+        v_ptrs = values_ptr + offs_n.to(tl.int64)[:, None] * stride_vn + offs_g[None, :]
+    else:
+        offs_kc = tl.arange(0, BLOCK_K // 2)
+        v_ptrs = values_ptr + offs_n.to(tl.int64)[:, None] * stride_vn + offs_kc[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         # ---- load activations and the compressed weight tile
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_kc[None, :] + k0 // 2 < kc_total), other=0.0)
-        meta = tl.load(m_ptrs, mask=mask_n[:, None] & (offs_kb[None, :] + k0 // 8 < kb_total), other=0)
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            mb = tl.load(m_ptrs, mask=mask_n[:, None], other=0)
+        else:
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+            mb = tl.load(m_ptrs, mask=mask_n[:, None] & (offs_b[None, :] + k0 // 8 < meta_bytes), other=0)
+        # ---- expand to dense w [BLOCK_N, BLOCK_K]
+        if WORDS:
+            if EVEN_K:
+                words = tl.load(v_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                words = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_g[None, :] + k0 // 4 < groups), other=0)
+            mb = mb.to(tl.int32)
+            nib = tl.reshape(tl.join(mb & 0xF, (mb >> 4) & 0xF), (BLOCK_N, BLOCK_G))
+            w = expand_24_words(words, nib, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        else:
+            if EVEN_K:
+                v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+            else:
+                v = tl.load(
+                    v_ptrs, mask=mask_n[:, None] & (offs_kc[None, :] + k0 // 2 < groups * 2), other=0.0
+                )
+            w = expand_24(v, mb, BLOCK_N, BLOCK_K)
         if UPCAST:
             x = x.to(tl.float32)
-            v = v.to(tl.float32)
-        # ---- expand to dense w[BLOCK_N, BLOCK_K]; acc += x @ w.T
-        w = expand_24(v, meta, BLOCK_N, BLOCK_K)
+            w = w.to(tl.float32)
+        # ---- acc += x @ w.T
         acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
-        v_ptrs += BLOCK_K // 2
-        m_ptrs += BLOCK_K // 8
+        m_ptrs += BLOCK_G // 2
+        v_ptrs += BLOCK_G if WORDS else BLOCK_K // 2
 
     # ---- epilogue: bias, cast, store
     if HAS_BIAS:
@@ -109,4 +136,9 @@ def _dot_configs() -> list[triton.Config]:
     ]
 
 
-nm24_dot = triton.autotune(_dot_configs(), key=["tokens_bucket", "out_features", "in_features"])(nm24_dot_kernel)
+nm24_dot = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args["BLOCK_K"] == 0})(
+    nm24_dot_kernel
+)
+nm24_dot = triton.autotune(_dot_configs(), key=["tokens_bucket", "out_features", "in_features", "WORDS"])(
+    nm24_dot
+)

@@ -5,7 +5,9 @@
 picks a backend in constant time:
 
 - 2:4 on CUDA (or on CPU under ``TRITON_INTERPRET=1``) with Triton importable:
-  ``tokens <= GEMV_MAX_TOKENS`` -> :mod:`.nm_gemv` (decode), else :mod:`.nm_dot` (tile-expanding ``tl.dot``);
+  ``tokens <= DECODE_MAX_TOKENS`` -> :mod:`.nm_decode` (decode, small batches);
+  ``tokens < EXPAND_MIN_TOKENS`` -> :mod:`.nm_dot` (tile-expanding ``tl.dot``);
+  else :mod:`.nm_expand` + ``F.linear`` (expand the weight once, dense cuBLAS: prefill);
 - anything else (other N:M, plain CPU, no Triton): decompress and ``F.linear`` (exact, not fast).
 """
 
@@ -21,10 +23,23 @@ import torch.nn.functional as F
 from ..errors import CheckpointError, ConfigError, MaskLLMError
 from ..patterns import check_nm_args
 
-__all__ = ["GEMV_MAX_TOKENS", "nm_linear", "nm_linear_dot", "nm_linear_gemv", "nm_linear_torch"]
+__all__ = [
+    "DECODE_MAX_TOKENS",
+    "EXPAND_MIN_TOKENS",
+    "nm_decompress_24",
+    "nm_linear",
+    "nm_linear_decode",
+    "nm_linear_dot",
+    "nm_linear_expand",
+    "nm_linear_torch",
+]
 
-# Token counts up to this use the GEMV kernel; larger ones the tl.dot kernel.
-GEMV_MAX_TOKENS = 16
+# The routes by token count (constant-time choice). Up to DECODE_MAX_TOKENS: the decode kernel (one
+# 16-token MMA tile); from EXPAND_MIN_TOKENS: expand once + cuBLAS; between: the tl.dot kernel.
+# EXPAND_MIN_TOKENS is an estimate from instruction counts (docs/kernels.md) until the H200 measures
+# the crossover (benchmarks/kernels.py prints every route).
+DECODE_MAX_TOKENS = 16
+EXPAND_MIN_TOKENS = 1024
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -98,42 +113,47 @@ def _check_args(
 
 
 def _prepare(x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None):
+    """Contiguous inputs, the output buffer, and the values as the kernels read them.
+
+    16-bit values are passed as int32 words (one per group of 4: both kept values), which the
+    kernels expand with byte permutes (``WORDS``); fp32 values are passed as they are.
+    """
     x2d, values, meta = x2d.contiguous(), values.contiguous(), meta.contiguous()
     if out is None:
         out = torch.empty(x2d.shape[0], values.shape[0], dtype=x2d.dtype, device=x2d.device)
-    return x2d, values, meta, out
+    words = values.element_size() == 2 and values.data_ptr() % 4 == 0
+    return x2d, values.view(torch.int32) if words else values, meta, out, words
 
 
-def nm_linear_gemv(
+def nm_linear_decode(
     x2d: torch.Tensor,
     values: torch.Tensor,
     meta: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """2:4 GEMV kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``."""
+    """2:4 decode kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``."""
     import triton
 
-    from .nm_gemv import nm24_gemv_narrow, nm24_gemv_wide
+    from .nm_decode import nm24_decode
 
     num_tokens, in_features = x2d.shape
-    if not 1 <= num_tokens <= GEMV_MAX_TOKENS:
+    if not 1 <= num_tokens <= DECODE_MAX_TOKENS:
         raise MaskLLMError(
-            f"nm_linear_gemv takes 1..{GEMV_MAX_TOKENS} tokens, got {num_tokens}; use nm_linear."
+            f"nm_linear_decode takes 1..{DECODE_MAX_TOKENS} tokens, got {num_tokens}; use nm_linear."
         )
-    x2d, values, meta, out = _prepare(x2d, values, meta, out)
+    x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
     out_features = values.shape[0]
-    block_t = triton.next_power_of_2(num_tokens)
-    kernel = nm24_gemv_narrow if block_t <= 4 else nm24_gemv_wide
 
     def grid(meta_args):
-        return (triton.cdiv(out_features, meta_args["BLOCK_N"]),)
+        return (triton.cdiv(out_features, meta_args["BLOCK_N"]), 1)
 
-    kernel[grid](
+    nm24_decode[grid](
         x2d, values, meta, bias if bias is not None else values, out,
         num_tokens, out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_T=block_t,
+        HAS_BIAS=bias is not None, WORDS=words, UPCAST=_interpret(),
+        INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32", BLOCK_T=DECODE_MAX_TOKENS,
     )  # fmt: skip
     return out
 
@@ -151,7 +171,7 @@ def nm_linear_dot(
     from .nm_dot import nm24_dot
 
     num_tokens, in_features = x2d.shape
-    x2d, values, meta, out = _prepare(x2d, values, meta, out)
+    x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
     out_features = values.shape[0]
 
     def grid(meta_args):
@@ -163,10 +183,40 @@ def nm_linear_dot(
         x2d, values, meta, bias if bias is not None else values, out,
         num_tokens, triton.next_power_of_2(num_tokens), out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=_interpret(),
+        HAS_BIAS=bias is not None, WORDS=words, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
+
+
+def nm_decompress_24(values: torch.Tensor, meta: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Dense ``[out, in_features]`` weight from 2:4 ``(values, meta)`` with the Triton expansion kernel."""
+    import triton
+
+    from .nm_expand import EXPAND_BLOCK_K, EXPAND_BLOCK_N, EXPAND_WARPS, nm24_expand_kernel
+
+    values, meta = values.contiguous(), meta.contiguous()
+    out_features = values.shape[0]
+    out = torch.empty(out_features, in_features, dtype=values.dtype, device=values.device)
+    words = values.element_size() == 2 and values.data_ptr() % 4 == 0
+    kernel_values = values.view(torch.int32) if words else values
+    grid = (triton.cdiv(out_features, EXPAND_BLOCK_N), triton.cdiv(in_features, EXPAND_BLOCK_K))
+    nm24_expand_kernel[grid](
+        kernel_values, meta, out, out_features, in_features,
+        kernel_values.stride(0), meta.stride(0), out.stride(0),
+        WORDS=words, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=EXPAND_BLOCK_K, num_warps=EXPAND_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def nm_linear_expand(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Large-batch route: expand the 2:4 weight once on the device, then dense ``F.linear`` (cuBLAS)."""
+    return F.linear(x2d, nm_decompress_24(values, meta, x2d.shape[1]), bias)
 
 
 def nm_linear_torch(
@@ -208,9 +258,11 @@ def _nm_linear_op(
         return nm_linear_torch(x2d, values, meta, n, m, in_features, bias)
     if x2d.shape[0] == 0:
         return x2d.new_empty(0, values.shape[0])
-    if x2d.shape[0] <= GEMV_MAX_TOKENS:
-        return nm_linear_gemv(x2d, values, meta, bias)
-    return nm_linear_dot(x2d, values, meta, bias)
+    if x2d.shape[0] <= DECODE_MAX_TOKENS:
+        return nm_linear_decode(x2d, values, meta, bias)
+    if x2d.shape[0] < EXPAND_MIN_TOKENS:
+        return nm_linear_dot(x2d, values, meta, bias)
+    return nm_linear_expand(x2d, values, meta, bias)
 
 
 @_nm_linear_op.register_fake

@@ -1,0 +1,145 @@
+"""Static cost of the 2:4 kernels on sm_90a, without a GPU: registers, spills, instructions per group.
+
+CPU:  PYTHONPATH=. python benchmarks/kernel_sass.py [--out results/kernel_sass.md]
+
+Every autotune config of both kernels is compiled for sm_90a with Triton's own toolchain (ptxas,
+cuobjdump ship in the triton wheel), and the main loop's SASS is counted. The figure of merit is
+*issued thread-instructions per compressed group of 4 weights*: an H200 issues about
+132 SMs x 4 x 32 x 1.98 GHz = 33.4e12 thread-instructions/s while HBM delivers 4.3e12 B/s, i.e.
+4.8e12/4.5 = 0.96e12 compressed bf16 groups/s (4 value bytes + 0.5 meta bytes each). A decode kernel
+above ~35 instructions per group is therefore issue-bound, not memory-bound, whatever its memory
+access pattern; well below it, the bytes decide. For the large-batch kernel the loop's issue
+cycles are compared with its tensor-core cycles (about 2048 bf16 multiply-adds per cycle per SM):
+above 1, expanding the weight costs more than multiplying it. The MMA count in the loop checks that
+the right loop was found. This predicts; the H200 decides (``benchmarks/kernels.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU even where tests set the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ISSUE_BUDGET = 33.4e12 / (4.3e12 / 4.5)  # thread-instructions per group at full HBM bandwidth
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, **options):
+    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_report(ptx: str) -> tuple[str, collections.Counter, list[str]]:
+    """ptxas -v line, opcode counts of the largest loop, and the loop's instructions."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx_path, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        r = subprocess.run(
+            [os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx_path, "-o", cubin],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        sass = subprocess.run(
+            [os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    info = " ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines() if "registers" in line)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2)))
+    loop: list[str] = []
+    for addr, ins in lines:  # the largest backward branch is the K loop
+        b = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if b and int(b.group(1), 16) < addr:
+            body = [x for a, x in lines if int(b.group(1), 16) <= a <= addr]
+            loop = body if len(body) > len(loop) else loop
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in loop)
+    return info + (f", spills {spills[0]} B" if spills else ""), ops, loop
+
+
+def rows_for(kernel, signature, fixed, configs, tokens_per_program):
+    """One row per config; ``tokens_per_program(kwargs)`` is the MMA's token extent (padded)."""
+    from hf_maskllm.kernels.expand import INTERPRET
+
+    assert not INTERPRET
+    out = []
+    for cfg in configs:
+        kw = dict(cfg.kwargs)
+        k = compile_sm90(
+            kernel, signature, {**fixed, **kw}, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+        info, ops, loop = sass_report(k.asm["ptx"])
+        groups = kw["BLOCK_N"] * kw["BLOCK_K"] / 4
+        threads = cfg.num_warps * 32
+        per_group = len(loop) * threads / groups
+        if ops["HGMMA"]:
+            mma = f"wgmma x{ops['HGMMA']}"
+        else:
+            mma = f"mma.sync x{ops['HMMA']}" if ops["HMMA"] else "FMA"
+        # one SM: issue cycles of the loop body (4 schedulers) vs its tensor-core cycles (~2048 bf16 MAC/clk)
+        issue_clk = len(loop) * cfg.num_warps / 4
+        mma_clk = tokens_per_program(kw) * kw["BLOCK_N"] * kw["BLOCK_K"] / 2048
+        name = (
+            ", ".join(f"{k}={v}" for k, v in kw.items()) + f", warps={cfg.num_warps}, stages={cfg.num_stages}"
+        )
+        out.append((name, tokens_per_program(kw), mma, info, len(loop), f"{per_group:.1f}",
+                    f"{issue_clk / mma_clk:.1f}", ops["STS"] + ops["LDS"], ops["LDL"] + ops["STL"]))  # fmt: skip
+        print("  " + " | ".join(str(c) for c in out[-1]), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="write the markdown table here")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_maskllm.kernels.nm_decode import _decode_configs, nm24_decode_kernel
+    from hf_maskllm.kernels.nm_dot import _dot_configs, nm24_dot_kernel
+
+    base = {
+        "x_ptr": "*bf16", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "num_tokens": "i32", "out_features": "i32", "in_features": "i32",
+        "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32",
+    }  # fmt: skip
+    common = dict(HAS_BIAS=False, UPCAST=False, INPUT_PRECISION="tf32", EVEN_K=True)
+    rows = []
+    print("decode kernel (nm_decode.py), bf16, WORDS")
+    rows += rows_for(
+        nm24_decode_kernel, {**base, "values_ptr": "*i32"}, {**common, "WORDS": True, "BLOCK_T": 16},
+        _decode_configs(), lambda kw: 16,
+    )  # fmt: skip
+    print("large-batch kernel (nm_dot.py), bf16, WORDS")
+    rows += rows_for(
+        nm24_dot_kernel, {**base, "values_ptr": "*i32", "tokens_bucket": "i32"}, {**common, "WORDS": True, "GROUP_M": 8},
+        _dot_configs(), lambda kw: kw["BLOCK_M"],
+    )  # fmt: skip
+    header = ("config", "tokens / program", "MMA in loop (per warp)", "ptxas", "loop SASS / warp",
+              "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops")  # fmt: skip
+    table = (
+        f"sm_90a SASS of the K loop, triton {triton.__version__}; issue budget at full HBM bandwidth "
+        f"~{ISSUE_BUDGET:.0f} thread-instructions per group\n\n"
+        + "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
+        + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows) + "\n"
+    )  # fmt: skip
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""2:4 sparse linear for decoding and small batches (1 to 16 tokens), on tensor cores.
+
+``out[t, n] = sum_k x[t, k] * W[n, k]`` with ``W`` compressed (format: :mod:`.expand`).
+
+Each program owns ``BLOCK_N`` output rows and walks the input dimension ``BLOCK_K`` dense columns
+at a time: it loads the compressed tile (one 32-bit word of kept values and one nibble of positions
+per group of 4), expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers
+(:func:`.expand.expand_24_words`) and multiplies it with the tokens' transposed slice
+``x^T [BLOCK_K, BLOCK_T]`` on the tensor cores (``BLOCK_T = 16``, padded with zero rows). The weight
+is the dot's *first* operand, so the expanded tile goes from registers straight into the MMA
+(Hopper ``wgmma`` takes its A operand from registers; ``mma.sync`` always does) and only the small
+``x^T`` goes through shared memory. The weight is read once for all tokens; decode is memory-bound,
+so the compressed bytes (56.25% of dense) set the speed as long as the expansion fits in the
+instruction budget, which is why it is done with byte permutes rather than FMAs per token.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .expand import INTERPRET, expand_24, expand_24_words
+
+__all__ = ["nm24_decode", "nm24_decode_kernel"]
+
+
+@triton.jit
+def nm24_decode_kernel(
+    # Pointers
+    x_ptr,  # [T, K] activations
+    values_ptr,  # WORDS: int32 [N, K/4] (the values viewed as words); else [N, K/2] in x's dtype
+    meta_ptr,  # [N, ceil(K/8)] uint8 positions
+    bias_ptr,  # [N] or a dummy pointer when HAS_BIAS is False
+    out_ptr,  # [T, N]
+    # Sizes
+    num_tokens,  # T
+    out_features,  # N
+    in_features,  # K (multiple of 4)
+    # Strides (elements of each tensor's own dtype)
+    stride_xt,
+    stride_vn,
+    stride_mn,
+    stride_ot,
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr,
+    WORDS: tl.constexpr,  # 16-bit weights read as kept-value words and expanded with byte permutes
+    UPCAST: tl.constexpr,  # interpreter: multiply in fp32 (its bf16 arithmetic is wrong)
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    EVEN_K: tl.constexpr,  # in_features % BLOCK_K == 0: no masks along K
+    BLOCK_T: tl.constexpr,  # tokens per program (>= 16: the MMA's smallest N)
+    BLOCK_N: tl.constexpr,  # output rows per program
+    BLOCK_K: tl.constexpr,  # dense input columns per step (multiple of 32)
+):
+    BLOCK_G: tl.constexpr = BLOCK_K // 4
+    pid_n = tl.program_id(axis=0)
+    pid_t = tl.program_id(axis=1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_G)  # groups of one step
+    offs_b = tl.arange(0, BLOCK_G // 2)  # meta bytes of one step
+    mask_n = offs_n < out_features
+    mask_t = offs_t < num_tokens
+    groups = in_features // 4
+    meta_bytes = (in_features + 7) // 8
+    # int64 row offsets: N * K/2 and T * K can exceed 2**31
+    rows = offs_n.to(tl.int64)
+    x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
+    m_ptrs = meta_ptr + rows[:, None] * stride_mn + offs_b[None, :]
+    if WORDS:
+        v_ptrs = values_ptr + rows[:, None] * stride_vn + offs_g[None, :]
+    else:
+        offs_kc = tl.arange(0, BLOCK_K // 2)
+        v_ptrs = values_ptr + rows[:, None] * stride_vn + offs_kc[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        # ---- load this step: x^T [BLOCK_K, BLOCK_T], kept values, meta bytes
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
+            mb = tl.load(m_ptrs, mask=mask_n[:, None], other=0)
+        else:
+            x = tl.load(x_ptrs, mask=mask_t[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+            mb = tl.load(m_ptrs, mask=mask_n[:, None] & (offs_b[None, :] + k0 // 8 < meta_bytes), other=0)
+        # ---- expand to dense w [BLOCK_N, BLOCK_K]
+        if WORDS:
+            if EVEN_K:
+                words = tl.load(v_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                words = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_g[None, :] + k0 // 4 < groups), other=0)
+            mb = mb.to(tl.int32)
+            nib = tl.reshape(tl.join(mb & 0xF, (mb >> 4) & 0xF), (BLOCK_N, BLOCK_G))
+            w = expand_24_words(words, nib, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        else:
+            if EVEN_K:
+                v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+            else:
+                v = tl.load(
+                    v_ptrs, mask=mask_n[:, None] & (offs_kc[None, :] + k0 // 2 < groups * 2), other=0.0
+                )
+            w = expand_24(v, mb, BLOCK_N, BLOCK_K)
+        if UPCAST:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        # ---- acc[n, t] += sum_k w[n, k] * x[t, k]
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        m_ptrs += BLOCK_G // 2
+        v_ptrs += BLOCK_G if WORDS else BLOCK_K // 2
+
+    # ---- epilogue: bias, cast, store out[t, n] = acc[n, t]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_t.to(tl.int64)[None, :] * stride_ot + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_t[None, :])
+
+
+def _decode_configs() -> list[triton.Config]:
+    if INTERPRET:  # one config: the interpreter fails with several; big blocks keep it fast
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4)]
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages). Small BLOCK_N keeps >= 132 programs on the
+    # 4096-row layers (mma.sync); 64/128 rows use wgmma. All compile for sm_90a without spills
+    # (benchmarks/kernel_sass.py).
+    shapes = [
+        (16, 256, 1, 3),
+        (16, 512, 2, 3),
+        (32, 256, 2, 3),
+        (32, 128, 1, 4),
+        (64, 128, 4, 3),
+        (64, 256, 4, 3),
+        (128, 128, 4, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in shapes
+    ]
+
+
+nm24_decode = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args["BLOCK_K"] == 0})(
+    nm24_decode_kernel
+)
+nm24_decode = triton.autotune(_decode_configs(), key=["out_features", "in_features", "WORDS"])(nm24_decode)
