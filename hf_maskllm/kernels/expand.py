@@ -26,7 +26,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "expand_24", "expand_24_words", "prmt_selectors"]
+__all__ = ["INTERPRET", "expand_24", "expand_24_words", "load_weight_tile", "prmt_selectors"]
 
 # The interpreter (CPU) cannot autotune over several configs, run inline PTX, or do bf16 arithmetic.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -118,3 +118,56 @@ def expand_24_words(words, nib, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
     w2 = w2.to(dtype, bitcast=True)
     w3 = w3.to(dtype, bitcast=True)
     return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def load_weight_tile(
+    v_rows,
+    m_rows,
+    mask_n,
+    k0,
+    in_features,
+    dtype: tl.constexpr,
+    WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Load the compressed weight tile of dense columns ``[k0, k0 + BLOCK_K)`` and expand it.
+
+    v_rows / m_rows: ``[BLOCK_N, 1]`` pointers to the first value (word when ``WORDS``) and the first
+    meta byte of each row; mask_n: ``[BLOCK_N]`` rows in range. ``EVEN_K``: the tile is inside K, no
+    column masks. Returns the dense ``[BLOCK_N, BLOCK_K]`` tile in ``dtype`` (zeros outside).
+    """
+    BLOCK_G: tl.constexpr = BLOCK_K // 4
+    offs_b = k0 // 8 + tl.arange(0, BLOCK_G // 2)  # meta bytes: 2 groups each
+    if EVEN_K:
+        mb = tl.load(m_rows + offs_b[None, :], mask=mask_n[:, None], other=0)
+    else:
+        mb = tl.load(
+            m_rows + offs_b[None, :],
+            mask=mask_n[:, None] & (offs_b < (in_features + 7) // 8)[None, :],
+            other=0,
+        )
+    if WORDS:
+        offs_g = k0 // 4 + tl.arange(0, BLOCK_G)  # one word per group
+        if EVEN_K:
+            words = tl.load(v_rows + offs_g[None, :], mask=mask_n[:, None], other=0)
+        else:
+            words = tl.load(
+                v_rows + offs_g[None, :], mask=mask_n[:, None] & (offs_g < in_features // 4)[None, :], other=0
+            )
+        mb = mb.to(tl.int32)
+        nib = tl.reshape(tl.join(mb & 0xF, (mb >> 4) & 0xF), (BLOCK_N, BLOCK_G))
+        return expand_24_words(words, nib, dtype, BLOCK_N, BLOCK_K)
+    else:
+        offs_kc = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # two kept values per group
+        if EVEN_K:
+            v = tl.load(v_rows + offs_kc[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            v = tl.load(
+                v_rows + offs_kc[None, :],
+                mask=mask_n[:, None] & (offs_kc < in_features // 2)[None, :],
+                other=0.0,
+            )
+        return expand_24(v, mb, BLOCK_N, BLOCK_K)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .expand import INTERPRET, expand_24, expand_24_words
+from .expand import INTERPRET, load_weight_tile
 
 __all__ = ["nm24_decode", "nm24_decode_kernel"]
 
@@ -51,62 +51,35 @@ def nm24_decode_kernel(
     BLOCK_N: tl.constexpr,  # output rows per program
     BLOCK_K: tl.constexpr,  # dense input columns per step (multiple of 32)
 ):
-    BLOCK_G: tl.constexpr = BLOCK_K // 4
     pid_n = tl.program_id(axis=0)
     pid_t = tl.program_id(axis=1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_G)  # groups of one step
-    offs_b = tl.arange(0, BLOCK_G // 2)  # meta bytes of one step
     mask_n = offs_n < out_features
     mask_t = offs_t < num_tokens
-    groups = in_features // 4
-    meta_bytes = (in_features + 7) // 8
     # int64 row offsets: N * K/2 and T * K can exceed 2**31
-    rows = offs_n.to(tl.int64)
+    rows = offs_n.to(tl.int64)[:, None]
+    v_rows = values_ptr + rows * stride_vn
+    m_rows = meta_ptr + rows * stride_mn
     x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
-    m_ptrs = meta_ptr + rows[:, None] * stride_mn + offs_b[None, :]
-    if WORDS:
-        v_ptrs = values_ptr + rows[:, None] * stride_vn + offs_g[None, :]
-    else:
-        offs_kc = tl.arange(0, BLOCK_K // 2)
-        v_ptrs = values_ptr + rows[:, None] * stride_vn + offs_kc[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
-        # ---- load this step: x^T [BLOCK_K, BLOCK_T], kept values, meta bytes
+        # ---- this step's tokens [BLOCK_T, BLOCK_K] and expanded weight tile [BLOCK_N, BLOCK_K]
         if EVEN_K:
             x = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
-            mb = tl.load(m_ptrs, mask=mask_n[:, None], other=0)
         else:
             x = tl.load(x_ptrs, mask=mask_t[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
-            mb = tl.load(m_ptrs, mask=mask_n[:, None] & (offs_b[None, :] + k0 // 8 < meta_bytes), other=0)
-        # ---- expand to dense w [BLOCK_N, BLOCK_K]
-        if WORDS:
-            if EVEN_K:
-                words = tl.load(v_ptrs, mask=mask_n[:, None], other=0)
-            else:
-                words = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_g[None, :] + k0 // 4 < groups), other=0)
-            mb = mb.to(tl.int32)
-            nib = tl.reshape(tl.join(mb & 0xF, (mb >> 4) & 0xF), (BLOCK_N, BLOCK_G))
-            w = expand_24_words(words, nib, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-        else:
-            if EVEN_K:
-                v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
-            else:
-                v = tl.load(
-                    v_ptrs, mask=mask_n[:, None] & (offs_kc[None, :] + k0 // 2 < groups * 2), other=0.0
-                )
-            w = expand_24(v, mb, BLOCK_N, BLOCK_K)
+        w = load_weight_tile(
+            v_rows, m_rows, mask_n, k0, in_features, x_ptr.dtype.element_ty, WORDS, EVEN_K, BLOCK_N, BLOCK_K
+        )
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
         # ---- acc[n, t] += sum_k w[n, k] * x[t, k]
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
-        m_ptrs += BLOCK_G // 2
-        v_ptrs += BLOCK_G if WORDS else BLOCK_K // 2
 
     # ---- epilogue: bias, cast, store out[t, n] = acc[n, t]
     if HAS_BIAS:

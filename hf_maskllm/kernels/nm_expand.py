@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .expand import INTERPRET, expand_24, expand_24_words
+from .expand import INTERPRET, load_weight_tile
 
 __all__ = ["EXPAND_BLOCK_K", "EXPAND_BLOCK_N", "EXPAND_WARPS", "nm24_expand_kernel"]
 
@@ -37,32 +37,19 @@ def nm24_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # dense columns per program (multiple of 32)
 ):
-    BLOCK_G: tl.constexpr = BLOCK_K // 4
     pid_n = tl.program_id(axis=0)
     pid_k = tl.program_id(axis=1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < out_features
     rows = offs_n.to(tl.int64)[:, None]
-    mask_n = (offs_n < out_features)[:, None]
-    offs_g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
-    offs_b = pid_k * (BLOCK_G // 2) + tl.arange(0, BLOCK_G // 2)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mb = tl.load(
-        meta_ptr + rows * stride_mn + offs_b[None, :],
-        mask=mask_n & (offs_b < (in_features + 7) // 8)[None, :],
-        other=0,
+    k0 = pid_k * BLOCK_K
+    w = load_weight_tile(
+        values_ptr + rows * stride_vn, meta_ptr + rows * stride_mn, mask_n, k0, in_features,
+        out_ptr.dtype.element_ty, WORDS, False, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(
+        out_ptr + rows * stride_on + offs_k[None, :],
+        w,
+        mask=mask_n[:, None] & (offs_k < in_features)[None, :],
     )
-    if WORDS:
-        groups_ok = mask_n & (offs_g < in_features // 4)[None, :]
-        words = tl.load(values_ptr + rows * stride_vn + offs_g[None, :], mask=groups_ok, other=0)
-        mb = mb.to(tl.int32)
-        nib = tl.reshape(tl.join(mb & 0xF, (mb >> 4) & 0xF), (BLOCK_N, BLOCK_G))
-        w = expand_24_words(words, nib, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-    else:
-        offs_kc = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        v = tl.load(
-            values_ptr + rows * stride_vn + offs_kc[None, :],
-            mask=mask_n & (offs_kc < in_features // 2)[None, :],
-            other=0.0,
-        )
-        w = expand_24(v, mb, BLOCK_N, BLOCK_K)
-    tl.store(out_ptr + rows * stride_on + offs_k[None, :], w, mask=mask_n & (offs_k < in_features)[None, :])
