@@ -53,7 +53,6 @@ def load_model(name: str):
 
 def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: str, model_name: str) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
-    from hf_maskllm.adapters.fused_linear import set_compiled_sampling
     from hf_maskllm.optim import training_state_bytes
 
     model = load_model(model_name)
@@ -79,7 +78,7 @@ def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: 
         mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
         mask_model.train()
         mask_model.sparse_reg_weight = 1e-5
-        set_compiled_sampling(mode == "masked")
+        mask_model.set_compiled_sampling(mode == "masked")
         optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4)
 
         def step() -> None:

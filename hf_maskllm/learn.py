@@ -16,7 +16,6 @@ import torch
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from .adapters.callback import MaskAnnealCallback
-from .adapters.fused_linear import compiled_sampling, set_compiled_sampling
 from .adapters.model import MaskModel
 from .optim import MaskAdamW, compiler_available
 
@@ -99,10 +98,10 @@ def learn_mask(
         callbacks=[MaskAnnealCallback(compile_sampling=compile_sampling), *extra],
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
     )
-    previous = compiled_sampling()
+    previous = any(layer.compiled_sampling for layer in mask_model.masked_layers().values())
     try:
         trainer.train()
     finally:  # the callback restores it at the end of training, but not when training raises
-        set_compiled_sampling(previous)
+        mask_model.set_compiled_sampling(previous)
     mask_model.eval()
     return trainer

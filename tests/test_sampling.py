@@ -128,13 +128,9 @@ def _fused_vs_reference(n, m, out_f, in_f, hard=False, bias=True, transposed=Fal
         x = (x0.clone() if fused else x0.double()).requires_grad_()
         logits = (base.clone() if fused else base.double()).requires_grad_()
         if fused:
-            previous = fused_linear.set_compiled_sampling(compiled)
-            try:
-                y, reg = fused_linear.masked_linear(
-                    x, weight, b, logits, n, m, sampling.seed_tensor(77), 2.0, 150.0, hard, True
-                )
-            finally:
-                fused_linear.set_compiled_sampling(previous)
+            y, reg = fused_linear.masked_linear(
+                x, weight, b, logits, n, m, sampling.seed_tensor(77), 2.0, 150.0, hard, True, compiled
+            )
         else:
             y, reg = _reference_linear(x, weight, b, logits, 77, n, m, 2.0, 150.0, hard)
         ((y * upstream.to(y.dtype)).sum() + 1e-3 * reg).backward()
@@ -225,25 +221,21 @@ def test_compiled_code_is_reused_across_shapes_and_schedules():
     """One kernel per (n, m, direction): new layer sizes, token counts, tau and kappa do not recompile."""
     from torch._dynamo.utils import counters
 
-    previous = fused_linear.set_compiled_sampling(True)
-    try:
-        torch._dynamo.reset()
-        fused_linear._COMPILED.clear()
+    torch._dynamo.reset()
+    fused_linear._COMPILED.clear()
 
-        def step(out_f, in_f, tokens, tau):
-            w = torch.randn(out_f, in_f)
-            logits = (torch.randn(out_f * in_f // 4, 6) * 0.05).requires_grad_()
-            x = torch.randn(tokens, in_f, requires_grad=True)
-            y, reg = fused_linear.masked_linear(
-                x, w, None, logits, 2, 4, sampling.draw_seed(), tau, 100.0 * tau, False, True
-            )
-            (y.sum() + reg).backward()
+    def step(out_f, in_f, tokens, tau):
+        w = torch.randn(out_f, in_f)
+        logits = (torch.randn(out_f * in_f // 4, 6) * 0.05).requires_grad_()
+        x = torch.randn(tokens, in_f, requires_grad=True)
+        y, reg = fused_linear.masked_linear(
+            x, w, None, logits, 2, 4, sampling.draw_seed(), tau, 100.0 * tau, False, True, compiled=True
+        )
+        (y.sum() + reg).backward()
 
-        step(24, 40, 5, 2.0)
-        step(48, 40, 7, 1.0)
-        compiled = counters["stats"]["unique_graphs"]
-        for out_f, in_f, tokens, tau in [(8, 64, 3, 0.5), (40, 24, 11, 3.0), (96, 128, 2, 0.1)]:
-            step(out_f, in_f, tokens, tau)
-        assert counters["stats"]["unique_graphs"] == compiled
-    finally:
-        fused_linear.set_compiled_sampling(previous)
+    step(24, 40, 5, 2.0)
+    step(48, 40, 7, 1.0)
+    compiled = counters["stats"]["unique_graphs"]
+    for out_f, in_f, tokens, tau in [(8, 64, 3, 0.5), (40, 24, 11, 3.0), (96, 128, 2, 0.1)]:
+        step(out_f, in_f, tokens, tau)
+    assert counters["stats"]["unique_graphs"] == compiled

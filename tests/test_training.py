@@ -420,3 +420,29 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         )
         with pytest.warns(UserWarning, match="use_reentrant"):
             mm.train()(input_ids=ids, labels=ids)
+
+
+def test_compiled_sampling_is_per_model_and_restored_after_training():
+    """Two models in one process keep their own setting; the callback restores the model's own."""
+    from hf_maskllm.adapters import fused_linear
+
+    a = get_mask_model(tiny_llama(seed=0), MaskConfig())
+    b = get_mask_model(tiny_llama(seed=1), MaskConfig())
+    assert a.set_compiled_sampling(True) is False
+    assert all(layer.compiled_sampling for layer in a.masked_layers().values())
+    assert not any(layer.compiled_sampling for layer in b.masked_layers().values())
+    # b trains eager: nothing is compiled on its behalf
+    fused_linear._COMPILED.clear()
+    b.train()
+    ids = torch.randint(0, b.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    b(input_ids=ids, labels=ids).loss.backward()
+    assert not fused_linear._COMPILED
+    # the callback turns b's on for its run and gives b back its own setting (off), leaving a's (on)
+    args = SimpleNamespace(n_gpu=1, world_size=1, gradient_accumulation_steps=1)
+    state = SimpleNamespace(global_step=0, max_steps=1)
+    callback = MaskAnnealCallback(log_mask_stats=False, compile_sampling=True)
+    callback.on_train_begin(args, state, None, model=b)
+    assert all(layer.compiled_sampling for layer in b.masked_layers().values())
+    callback.on_train_end(args, state, None, model=b)
+    assert not any(layer.compiled_sampling for layer in b.masked_layers().values())
+    assert all(layer.compiled_sampling for layer in a.masked_layers().values())

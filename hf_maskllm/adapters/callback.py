@@ -18,7 +18,6 @@ from transformers.trainer_callback import ExportableState
 from ..errors import MaskLLMError
 from ..optim import MaskAdamW, compiler_available
 from ..patterns import candidate_patterns
-from .fused_linear import set_compiled_sampling
 from .model import MaskModel
 from .sampling import max_probability
 from .schedules import schedule_value
@@ -139,7 +138,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             }
         _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
-        previous = set_compiled_sampling(compiled)
+        previous = mask_model.set_compiled_sampling(compiled)
         if self._previous_compiled is None:  # a run that raised never reached on_train_end: keep the first
             self._previous_compiled = previous
 
@@ -212,10 +211,10 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self._previous_compiled is not None:
-            set_compiled_sampling(self._previous_compiled)
-            self._previous_compiled = None
         mask_model = find_mask_model(model)
+        if self._previous_compiled is not None:
+            mask_model.set_compiled_sampling(self._previous_compiled)
+            self._previous_compiled = None
         summary = dict(mask_model.training_summary)
         summary.update(
             {

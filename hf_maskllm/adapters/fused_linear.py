@@ -9,7 +9,8 @@ probabilities (``[G, C]`` float32, 12 bytes per masked weight for 2:4) and the e
 keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and an 8-byte seed. The
 backward pass regenerates noise, probabilities and ``W * mask`` in one pass (the probabilities live
 only until the logits' gradient is computed, one layer at a time), then runs the two matmuls and a
-second pass for the logits' gradient. With :func:`set_compiled_sampling` each pass is one
+second pass for the logits' gradient. With ``compiled=True`` (set per model by
+``MaskModel.set_compiled_sampling``, which ``MaskAnnealCallback`` calls) each pass is one
 ``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups.
 """
 
@@ -23,25 +24,9 @@ from torch.autograd.function import once_differentiable
 
 from .sampling import sample_probs, soft_mask_from_probs
 
-__all__ = ["MaskedLinearFunction", "masked_linear", "set_compiled_sampling"]
+__all__ = ["MaskedLinearFunction", "masked_linear"]
 
-_USE_COMPILED = False
-_COMPILED: dict[str, Any] = {}
-
-
-def set_compiled_sampling(enabled: bool) -> bool:
-    """Run the fused math through ``torch.compile`` (first call compiles); returns the previous setting.
-
-    A process-wide switch (``MaskAnnealCallback`` sets it for a training run).
-    """
-    global _USE_COMPILED
-    previous, _USE_COMPILED = _USE_COMPILED, bool(enabled)
-    return previous
-
-
-def compiled_sampling() -> bool:
-    """Whether the fused math currently runs through ``torch.compile``."""
-    return _USE_COMPILED
+_COMPILED: dict[str, Any] = {}  # the compiled passes, shared by every model (compiled once per process)
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:
@@ -93,10 +78,10 @@ def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, 
 _GROUP_ARGS = {"sample_weight": 2, "logits_grad": 2}  # leading arguments whose dim 0 is G
 
 
-def _run(name: str, *args):
+def _run(name: str, compiled: bool, *args):
     """Call the eager or the compiled version; compiled code is specialised on n and m, not on G."""
     fn = {"sample_weight": _sample_weight, "logits_grad": _logits_grad}[name]
-    if not _USE_COMPILED:
+    if not compiled:
         return fn(*args)
     if name not in _COMPILED:
         # Strided [G, C] loads trip inductor's "too many non-contiguous accesses" heuristic, which would
@@ -115,41 +100,42 @@ class MaskedLinearFunction(torch.autograd.Function):
     ``x`` is 2-D ``[tokens, in]``; ``weight`` ``[out, in]`` (frozen, any strides); ``bias`` frozen or
     None; ``logits`` ``[out * in / m, C(m, n)]``; ``seed`` from :func:`sampling.draw_seed`. The matmuls
     run in ``x``'s dtype (the caller applies autocast); the per-group math in float32. ``reg`` is a
-    float32 scalar, or None unless ``with_reg``.
+    float32 scalar, or None unless ``with_reg``. ``compiled``: run the per-group passes compiled.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, logits, seed, n, m, tau, kappa, hard, with_reg):
+    def forward(ctx, x, weight, bias, logits, seed, n, m, tau, kappa, hard, with_reg, compiled):
         # Detached [G, .] views: compiled code must not specialise on parameters or requires_grad.
         w_eff, reg = _run(
-            "sample_weight", weight.detach().reshape(-1, m), logits.detach(), seed, tau, kappa, n, m, hard,
-            x.dtype, "reg" if with_reg else "",
+            "sample_weight", compiled, weight.detach().reshape(-1, m), logits.detach(), seed, tau, kappa,
+            n, m, hard, x.dtype, "reg" if with_reg else "",
         )  # fmt: skip
         y = torch.nn.functional.linear(x, w_eff.view(weight.shape), bias)
         ctx.save_for_backward(x, weight, logits, seed)
-        ctx.args = (tau, kappa, n, m, hard)
+        ctx.args = (tau, kappa, n, m, hard, compiled)
         return y, reg
 
     @staticmethod
     @once_differentiable  # the backward is not itself differentiable: refuse double backward
     def backward(ctx, grad_y, grad_reg):
         x, weight, logits, seed = ctx.saved_tensors
-        tau, kappa, n, m, hard = ctx.args
+        tau, kappa, n, m, hard, compiled = ctx.args
         w_groups = weight.detach().reshape(-1, m)
         # One sampling pass gives both W * mask (for grad_x) and the probabilities (for the logits).
         w_eff, probs = _run(
-            "sample_weight", w_groups, logits.detach(), seed, tau, kappa, n, m, hard, grad_y.dtype, "probs"
-        )
+            "sample_weight", compiled, w_groups, logits.detach(), seed, tau, kappa, n, m, hard, grad_y.dtype,
+            "probs",
+        )  # fmt: skip
         grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
         del w_eff
         if not ctx.needs_input_grad[3]:  # frozen logits
-            return grad_x, None, None, None, None, None, None, None, None, None, None
+            return grad_x, *[None] * 11
         grad_w = grad_y.t() @ x  # dL/d(W * mask)
         reg_grad = grad_reg.float() if grad_reg is not None else None
         grad_logits = _run(
-            "logits_grad", grad_w.view(-1, m), w_groups, probs, n, m, tau, kappa, hard, reg_grad
+            "logits_grad", compiled, grad_w.view(-1, m), w_groups, probs, n, m, tau, kappa, hard, reg_grad
         )
-        return grad_x, None, None, grad_logits.to(logits.dtype), None, None, None, None, None, None, None
+        return grad_x, None, None, grad_logits.to(logits.dtype), *[None] * 8
 
 
 def masked_linear(
@@ -164,11 +150,13 @@ def masked_linear(
     kappa: float,
     hard: bool = False,
     with_reg: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Training-mode masked linear on ``x`` of any leading dims; returns ``(y, reg or None)``.
 
     Under autocast the matmuls run in the autocast dtype (as ``F.linear`` would); the sampling and
-    the regulariser always in float32.
+    the regulariser always in float32. ``compiled``: run the per-group passes through
+    ``torch.compile`` (the first call compiles).
     """
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -177,6 +165,7 @@ def masked_linear(
     b = bias.to(dtype) if bias is not None else None
     with torch.autocast(device, enabled=False):
         y, reg = MaskedLinearFunction.apply(
-            x2d, weight, b, logits, seed, int(n), int(m), float(tau), float(kappa), bool(hard), bool(with_reg)
-        )
+            x2d, weight, b, logits, seed, int(n), int(m), float(tau), float(kappa), bool(hard), bool(with_reg),
+            bool(compiled),
+        )  # fmt: skip
     return y.reshape(*lead, y.shape[-1]), reg

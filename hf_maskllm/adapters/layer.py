@@ -45,6 +45,7 @@ class MaskedLinear(nn.Module):
         self.hard = False
         self.masking_enabled = True
         self.track_sparse_reg = False
+        self.compiled_sampling = False  # run the fused sampling passes through torch.compile
         self.last_sparse_reg: torch.Tensor | None = None
         self._cache_key: tuple | None = None
         self._cached_mask: torch.Tensor | None = None
@@ -100,7 +101,7 @@ class MaskedLinear(nn.Module):
         # The fused path: nothing per group kept for the backward pass (fused_linear.py).
         y, reg = masked_linear(
             x, weight, bias, self.mask_logits, self.n, self.m, draw_seed(weight.device),
-            self.tau, self.kappa, self.hard, self.track_sparse_reg,
+            self.tau, self.kappa, self.hard, self.track_sparse_reg, self.compiled_sampling,
         )  # fmt: skip
         if self.track_sparse_reg:
             # ||W * mask||^2 with W frozen: the gradient reaches only the logits.

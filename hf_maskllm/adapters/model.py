@@ -170,6 +170,18 @@ class MaskModel(nn.Module):
         for layer in self.masked_layers().values():
             layer.tau, layer.kappa, layer.hard = float(tau), float(kappa), self.mask_config.hard
 
+    def set_compiled_sampling(self, enabled: bool) -> bool:
+        """Run this model's fused mask sampling through ``torch.compile``; returns the previous setting.
+
+        Per model (two models in one process keep their own setting). ``MaskAnnealCallback`` turns it
+        on for a training run when a compiler is present and restores it at the end.
+        """
+        layers = list(self.masked_layers().values())
+        previous = any(layer.compiled_sampling for layer in layers)
+        for layer in layers:
+            layer.compiled_sampling = bool(enabled)
+        return previous
+
     @contextlib.contextmanager
     def disable_masks(self) -> Iterator[None]:
         """Context in which every masked layer runs dense (for comparisons)."""

@@ -112,17 +112,23 @@ def _check_args(
 # ------------------------------------------------------------------------------------------------
 
 
-def _prepare(x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None):
-    """Contiguous inputs, the output buffer, and the values as the kernels read them.
+def _kernel_values(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The values as the kernels read them, and whether they are words (``WORDS``).
 
-    16-bit values are passed as int32 words (one per group of 4: both kept values), which the
-    kernels expand with byte permutes (``WORDS``); fp32 values are passed as they are.
+    16-bit values 4-byte aligned are passed as int32 words (one per group of 4: both kept values),
+    which the kernels expand with byte permutes; others (fp32, unaligned) as they are.
     """
-    x2d, values, meta = x2d.contiguous(), values.contiguous(), meta.contiguous()
+    values = values.contiguous()
+    words = values.element_size() == 2 and values.data_ptr() % 4 == 0
+    return (values.view(torch.int32) if words else values), words
+
+
+def _prepare(x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None):
+    """Contiguous inputs, the output buffer, and the values as the kernels read them."""
     if out is None:
         out = torch.empty(x2d.shape[0], values.shape[0], dtype=x2d.dtype, device=x2d.device)
-    words = values.element_size() == 2 and values.data_ptr() % 4 == 0
-    return x2d, values.view(torch.int32) if words else values, meta, out, words
+    values, words = _kernel_values(values)
+    return x2d.contiguous(), values, meta.contiguous(), out, words
 
 
 def nm_linear_decode(
@@ -195,11 +201,9 @@ def nm_decompress_24(values: torch.Tensor, meta: torch.Tensor, in_features: int)
 
     from .nm_expand import EXPAND_BLOCK_K, EXPAND_BLOCK_N, EXPAND_WARPS, nm24_expand_kernel
 
-    values, meta = values.contiguous(), meta.contiguous()
-    out_features = values.shape[0]
+    out_features, meta = values.shape[0], meta.contiguous()
     out = torch.empty(out_features, in_features, dtype=values.dtype, device=values.device)
-    words = values.element_size() == 2 and values.data_ptr() % 4 == 0
-    kernel_values = values.view(torch.int32) if words else values
+    kernel_values, words = _kernel_values(values)
     grid = (triton.cdiv(out_features, EXPAND_BLOCK_N), triton.cdiv(in_features, EXPAND_BLOCK_K))
     nm24_expand_kernel[grid](
         kernel_values, meta, out, out_features, in_features,
