@@ -59,17 +59,20 @@ def sass_report(ptx: str) -> tuple[str, collections.Counter, list[str]]:
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
         if m:
             lines.append((int(m.group(1), 16), m.group(2)))
-    loop: list[str] = []
-    for addr, ins in lines:  # the largest backward branch is the K loop
+    # The K loop: the smallest backward-branch region holding the MMAs (a wider one can be a wait loop
+    # that jumps back over the epilogue); without MMAs, the largest backward-branch region.
+    regions = []
+    for addr, ins in lines:
         b = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
         if b and int(b.group(1), 16) < addr:
-            body = [x for a, x in lines if int(b.group(1), 16) <= a <= addr]
-            loop = body if len(body) > len(loop) else loop
+            regions.append([x for a, x in lines if int(b.group(1), 16) <= a <= addr])
+    with_mma = [r for r in regions if any(re.search(r"\b(HGMMA|HMMA)\b", x) for x in r)]
+    loop = min(with_mma, key=len) if with_mma else max(regions, key=len, default=[])
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in loop)
     return info + (f", spills {spills[0]} B" if spills else ""), ops, loop
 
 
-def rows_for(kernel, signature, fixed, configs, tokens_per_program):
+def rows_for(kernel, signature, fixed, configs, tokens_per_program, tag=""):
     """One row per config; ``tokens_per_program(kwargs)`` is the MMA's token extent (padded)."""
     from hf_maskllm.kernels.expand import INTERPRET
 
@@ -94,6 +97,7 @@ def rows_for(kernel, signature, fixed, configs, tokens_per_program):
         name = (
             ", ".join(f"{k}={v}" for k, v in kw.items()) + f", warps={cfg.num_warps}, stages={cfg.num_stages}"
         )
+        name += f" ({tag})" if tag else ""
         out.append((name, tokens_per_program(kw), mma, info, len(loop), f"{per_group:.1f}",
                     f"{issue_clk / mma_clk:.1f}", ops["STS"] + ops["LDS"], ops["LDL"] + ops["STL"]))  # fmt: skip
         print("  " + " | ".join(str(c) for c in out[-1]), flush=True)
@@ -108,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from hf_maskllm.kernels.nm_decode import _decode_configs, nm24_decode_kernel
-    from hf_maskllm.kernels.nm_dot import _dot_configs, nm24_dot_kernel
+    from hf_maskllm.kernels.nm_dot import _dot_configs, _prune, nm24_dot_kernel
 
     base = {
         "x_ptr": "*bf16", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -122,11 +126,19 @@ def main() -> None:
         nm24_decode_kernel, {**base, "values_ptr": "*i32"}, {**common, "WORDS": True, "BLOCK_T": 16},
         _decode_configs(), lambda kw: 16,
     )  # fmt: skip
-    print("large-batch kernel (nm_dot.py), bf16, WORDS")
-    rows += rows_for(
-        nm24_dot_kernel, {**base, "values_ptr": "*i32", "tokens_bucket": "i32"}, {**common, "WORDS": True, "GROUP_M": 8},
-        _dot_configs(), lambda kw: kw["BLOCK_M"],
-    )  # fmt: skip
+    print("large-batch kernel (nm_dot.py), bf16, WORDS, x through TMA (Hopper) and through pointers")
+    dot_base = {k if k != "x_ptr" else "x": v for k, v in base.items()}
+    for cfg in _dot_configs():
+        bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
+        for x_desc in (True, False):
+            if not _prune([cfg], {}, X_DESC=x_desc):  # the autotuner never runs it
+                continue
+            x_type = f"tensordesc<bf16[{bm}, {bk}]>" if x_desc else "*bf16"
+            rows += rows_for(
+                nm24_dot_kernel, {**dot_base, "x": x_type, "values_ptr": "*i32", "tokens_bucket": "i32"},
+                {**common, "WORDS": True, "X_DESC": x_desc}, [cfg],
+                lambda kw, x_desc=x_desc: kw["BLOCK_M"], tag="TMA x" if x_desc else "pointer x",
+            )  # fmt: skip
     header = ("config", "tokens / program", "MMA in loop (per warp)", "ptxas", "loop SASS / warp",
               "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops")  # fmt: skip
     table = (

@@ -149,8 +149,13 @@ def test_decode_kernel(tokens, dtype, bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dot_kernel(tokens, dtype, bias):
-    x, values, meta, b, ref, scale = make_case(tokens, 123, 200, dtype, bias, seed=100 + tokens)
+@pytest.mark.parametrize("in_f", [200, 204], ids=["x-tma", "x-pointers"])
+def test_dot_kernel(tokens, dtype, bias, in_f):
+    from hf_maskllm.kernels.nm_dot import x_descriptor
+
+    x, values, meta, b, ref, scale = make_case(tokens, 123, in_f, dtype, bias, seed=100 + tokens)
+    # rows of 200 elements are 16-byte multiples (TMA descriptor); 204 fp16/bf16 are not (pointers)
+    assert (x_descriptor(x) is None) == (in_f * x.element_size() % 16 != 0)
     out = torch.full((tokens, 123), float("nan"), dtype=dtype)
     y = nm_linear_dot(x, values, meta, b, out=out)
     assert_close(y, ref, scale, dtype)
@@ -293,8 +298,8 @@ from triton.compiler import ASTSource
 from hf_maskllm.kernels.nm_decode import nm24_decode_kernel
 from hf_maskllm.kernels.nm_dot import nm24_dot_kernel
 from hf_maskllm.kernels.nm_expand import nm24_expand_kernel
-def build(fn, dtype, words, constexprs, extra=None, **options):
-    sig = {"x_ptr": f"*{dtype}", "values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8",
+def build(fn, dtype, words, constexprs, extra=None, x="x_ptr", x_type=None, **options):
+    sig = {x: x_type or f"*{dtype}", "values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8",
            "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "num_tokens": "i32", "out_features": "i32",
            "in_features": "i32", "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32"}
     constexprs = {**constexprs, "WORDS": words, "UPCAST": False, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
@@ -307,10 +312,17 @@ for dtype, words in (("bf16", True), ("fp16", True), ("bf16", False), ("fp32", F
         assert ("prmt.b32" in ptx) == words, "the word expansion should be byte permutes"
         if dtype != "fp32":
             assert ("wgmma" if bn >= 64 else "mma.sync") in ptx, "decode should run on the tensor cores"
-    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=True, EVEN_K=False,
-                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, num_warps=4, num_stages=4)
+    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=True, EVEN_K=False, X_DESC=False,
+                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, x="x",
+                num_warps=4, num_stages=4)
     if dtype != "fp32":
         assert "wgmma" in ptx, "the tl.dot kernel should use Hopper wgmma"
+    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=False, EVEN_K=True, X_DESC=True,
+                BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, x="x",
+                x_type=f"tensordesc<{dtype}[256, 64]>", num_warps=8, num_stages=3)
+    assert "cp.async.bulk.tensor" in ptx, "x should be read by TMA"
+    if dtype != "fp32":
+        assert "wgmma" in ptx
     sig = {"values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8", "out_ptr": f"*{dtype}",
            "out_features": "i32", "in_features": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_on": "i32"}
     consts = {"WORDS": words, "BLOCK_N": 32, "BLOCK_K": 256}

@@ -96,10 +96,10 @@ def _decode_configs() -> list[triton.Config]:
     # 4096-row layers (mma.sync); 64/128 rows use wgmma. All compile for sm_90a without spills
     # (benchmarks/kernel_sass.py).
     shapes = [
-        (16, 256, 1, 3),
-        (16, 512, 2, 3),
-        (32, 256, 2, 3),
+        (16, 256, 2, 3),
+        (32, 128, 2, 3),
         (32, 128, 1, 4),
+        (32, 256, 2, 3),
         (64, 128, 4, 3),
         (64, 256, 4, 3),
         (128, 128, 4, 3),
