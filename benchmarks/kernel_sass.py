@@ -112,33 +112,37 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from hf_maskllm.kernels.nm_decode import _decode_configs, nm24_decode_kernel
-    from hf_maskllm.kernels.nm_dot import _dot_configs, _prune, nm24_dot_kernel
+    from hf_maskllm.kernels.nm_decode import _prune as _decode_prune
+    from hf_maskllm.kernels.nm_dot import _dot_configs, nm24_dot_kernel
+    from hf_maskllm.kernels.nm_dot import _prune as _dot_prune
 
     base = {
-        "x_ptr": "*bf16", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "x_ptr": "*bf16", "values_ptr": "*i32", "meta_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "num_tokens": "i32", "out_features": "i32", "in_features": "i32",
         "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32",
     }  # fmt: skip
     common = dict(HAS_BIAS=False, UPCAST=False, INPUT_PRECISION="tf32", EVEN_K=True)
     rows = []
-    print("decode kernel (nm_decode.py), bf16, WORDS")
-    rows += rows_for(
-        nm24_decode_kernel, {**base, "values_ptr": "*i32"}, {**common, "WORDS": True, "BLOCK_T": 16},
-        _decode_configs(), lambda kw: 16,
-    )  # fmt: skip
-    print("large-batch kernel (nm_dot.py), bf16, WORDS, x through TMA (Hopper) and through pointers")
-    dot_base = {k if k != "x_ptr" else "x": v for k, v in base.items()}
-    for cfg in _dot_configs():
-        bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
-        for x_desc in (True, False):
-            if not _prune([cfg], {}, X_DESC=x_desc):  # the autotuner never runs it
-                continue
-            x_type = f"tensordesc<bf16[{bm}, {bk}]>" if x_desc else "*bf16"
-            rows += rows_for(
-                nm24_dot_kernel, {**dot_base, "x": x_type, "values_ptr": "*i32", "tokens_bucket": "i32"},
-                {**common, "WORDS": True, "X_DESC": x_desc}, [cfg],
-                lambda kw, x_desc=x_desc: kw["BLOCK_M"], tag="TMA x" if x_desc else "pointer x",
-            )  # fmt: skip
+    for name, kernel, configs, prune, fixed, extra, rows_of in (
+        ("decode kernel (nm_decode.py)", nm24_decode_kernel, _decode_configs(), _decode_prune,
+         {"BLOCK_T": 16}, {}, lambda kw: 16),
+        ("large-batch kernel (nm_dot.py)", nm24_dot_kernel, _dot_configs(), _dot_prune,
+         {"GROUP_M": 8}, {"tokens_bucket": "i32"}, lambda kw: kw["BLOCK_M"]),
+    ):  # fmt: skip
+        print(f"{name}, bf16, WORDS; x through TMA where the config asks for it, and through pointers")
+        for has_desc in (True, False):
+            for cfg in prune(configs, {}, HAS_DESC=has_desc):  # what the autotuner can pick
+                if not has_desc and any(c.kwargs == cfg.kwargs for c in prune(configs, {}, HAS_DESC=True)):
+                    continue  # the same pointer config, already counted
+                use_desc = cfg.kwargs["X_DESC"] and has_desc
+                rows_key = "BLOCK_M" if "BLOCK_M" in cfg.kwargs else None
+                block = (cfg.kwargs[rows_key] if rows_key else 16, cfg.kwargs["BLOCK_K"])
+                x_desc = f"tensordesc<bf16[{block[0]}, {block[1]}]>" if use_desc else "*bf16"
+                rows += rows_for(
+                    kernel, {**base, "x_desc": x_desc, **extra},
+                    {**common, **fixed, "WORDS": True, "HAS_DESC": has_desc}, [cfg], rows_of,
+                    tag="TMA x" if use_desc else "pointer x",
+                )  # fmt: skip
     header = ("config", "tokens / program", "MMA in loop (per warp)", "ptxas", "loop SASS / warp",
               "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops")  # fmt: skip
     table = (

@@ -151,7 +151,7 @@ def test_decode_kernel(tokens, dtype, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_f", [200, 204], ids=["x-tma", "x-pointers"])
 def test_dot_kernel(tokens, dtype, bias, in_f):
-    from hf_maskllm.kernels.nm_dot import x_descriptor
+    from hf_maskllm.kernels.tma import x_descriptor
 
     x, values, meta, b, ref, scale = make_case(tokens, 123, in_f, dtype, bias, seed=100 + tokens)
     # rows of 200 elements are 16-byte multiples (TMA descriptor); 204 fp16/bf16 are not (pointers)
@@ -298,28 +298,34 @@ from triton.compiler import ASTSource
 from hf_maskllm.kernels.nm_decode import nm24_decode_kernel
 from hf_maskllm.kernels.nm_dot import nm24_dot_kernel
 from hf_maskllm.kernels.nm_expand import nm24_expand_kernel
-def build(fn, dtype, words, constexprs, extra=None, x="x_ptr", x_type=None, **options):
-    sig = {x: x_type or f"*{dtype}", "values_ptr": "*i32" if words else f"*{dtype}", "meta_ptr": "*u8",
-           "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "num_tokens": "i32", "out_features": "i32",
-           "in_features": "i32", "stride_xt": "i32", "stride_vn": "i32", "stride_mn": "i32", "stride_ot": "i32"}
-    constexprs = {**constexprs, "WORDS": words, "UPCAST": False, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+def build(fn, dtype, words, constexprs, extra=None, desc_block=None, **options):
+    # desc_block: compile the variant that reads x through a TMA descriptor with this block
+    x_desc = f"tensordesc<{dtype}[{desc_block[0]}, {desc_block[1]}]>" if desc_block else f"*{dtype}"
+    sig = {"x_ptr": f"*{dtype}", "x_desc": x_desc, "values_ptr": "*i32" if words else f"*{dtype}",
+           "meta_ptr": "*u8", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "num_tokens": "i32",
+           "out_features": "i32", "in_features": "i32", "stride_xt": "i32", "stride_vn": "i32",
+           "stride_mn": "i32", "stride_ot": "i32"}
+    constexprs = {**constexprs, "WORDS": words, "UPCAST": False, "HAS_DESC": bool(desc_block),
+                  "X_DESC": bool(desc_block), "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     src = ASTSource(fn, {**sig, **(extra or {}), **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 for dtype, words in (("bf16", True), ("fp16", True), ("bf16", False), ("fp32", False)):
-    for bn, bk, w, even in ((16, 256, 1, True), (128, 128, 4, False)):
-        ptx = build(nm24_decode_kernel, dtype, words,
-                    dict(HAS_BIAS=not even, EVEN_K=even, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk), num_warps=w)
-        assert ("prmt.b32" in ptx) == words, "the word expansion should be byte permutes"
-        if dtype != "fp32":
-            assert ("wgmma" if bn >= 64 else "mma.sync") in ptx, "decode should run on the tensor cores"
-    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=True, EVEN_K=False, X_DESC=False,
-                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, x="x",
-                num_warps=4, num_stages=4)
+    for bn, bk, w, even in ((16, 256, 2, True), (128, 128, 4, False)):
+        for desc in (None, (16, bk)):
+            ptx = build(nm24_decode_kernel, dtype, words,
+                        dict(HAS_BIAS=not even, EVEN_K=even, BLOCK_T=16, BLOCK_N=bn, BLOCK_K=bk),
+                        desc_block=desc, num_warps=w)
+            assert ("prmt.b32" in ptx) == words, "the word expansion should be byte permutes"
+            assert ("cp.async.bulk.tensor" in ptx) == bool(desc), "x through TMA exactly with a descriptor"
+            if dtype != "fp32":
+                assert ("wgmma" if bn >= 64 else "mma.sync") in ptx, "decode should run on the tensor cores"
+    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=True, EVEN_K=False,
+                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, num_warps=4, num_stages=4)
     if dtype != "fp32":
         assert "wgmma" in ptx, "the tl.dot kernel should use Hopper wgmma"
-    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=False, EVEN_K=True, X_DESC=True,
-                BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"}, x="x",
-                x_type=f"tensordesc<{dtype}[256, 64]>", num_warps=8, num_stages=3)
+    ptx = build(nm24_dot_kernel, dtype, words, dict(HAS_BIAS=False, EVEN_K=True,
+                BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), {"tokens_bucket": "i32"},
+                desc_block=(256, 64), num_warps=8, num_stages=3)
     assert "cp.async.bulk.tensor" in ptx, "x should be read by TMA"
     if dtype != "fp32":
         assert "wgmma" in ptx

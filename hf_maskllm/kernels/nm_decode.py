@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .expand import INTERPRET, load_weight_tile
+from .tma import descriptor_or_pointer_configs, set_x_block
 
 __all__ = ["nm24_decode", "nm24_decode_kernel"]
 
@@ -28,6 +29,7 @@ __all__ = ["nm24_decode", "nm24_decode_kernel"]
 def nm24_decode_kernel(
     # Pointers
     x_ptr,  # [T, K] activations
+    x_desc,  # the same through a TMA descriptor (block [BLOCK_T, BLOCK_K]) when HAS_DESC; else x_ptr again
     values_ptr,  # WORDS: int32 [N, K/4] (the values viewed as words); else [N, K/2] in x's dtype
     meta_ptr,  # [N, ceil(K/8)] uint8 positions
     bias_ptr,  # [N] or a dummy pointer when HAS_BIAS is False
@@ -43,6 +45,8 @@ def nm24_decode_kernel(
     stride_ot,
     # Meta-parameters
     HAS_BIAS: tl.constexpr,
+    HAS_DESC: tl.constexpr,  # x_desc is a descriptor (autotune key: configs may read x through it)
+    X_DESC: tl.constexpr,  # this config reads x through x_desc
     WORDS: tl.constexpr,  # 16-bit weights read as kept-value words and expanded with byte permutes
     UPCAST: tl.constexpr,  # interpreter: multiply in fp32 (its bf16 arithmetic is wrong)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
@@ -62,24 +66,29 @@ def nm24_decode_kernel(
     rows = offs_n.to(tl.int64)[:, None]
     v_rows = values_ptr + rows * stride_vn
     m_rows = meta_ptr + rows * stride_mn
-    x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
+    USE_DESC: tl.constexpr = X_DESC and HAS_DESC  # configs may want a descriptor that is not there
+    if not USE_DESC:
+        x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         # ---- this step's tokens [BLOCK_T, BLOCK_K] and expanded weight tile [BLOCK_N, BLOCK_K]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
+        if USE_DESC:
+            x_tile = x_desc.load([pid_t * BLOCK_T, k0])  # zero-filled outside [T, K]
+        elif EVEN_K:
+            x_tile = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=mask_t[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+            x_tile = tl.load(x_ptrs, mask=mask_t[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
         w = load_weight_tile(
-            v_rows, m_rows, mask_n, k0, in_features, x_ptr.dtype.element_ty, WORDS, EVEN_K, BLOCK_N, BLOCK_K
+            v_rows, m_rows, mask_n, k0, in_features, out_ptr.dtype.element_ty, WORDS, EVEN_K, BLOCK_N, BLOCK_K
         )
         if UPCAST:
             w = w.to(tl.float32)
-            x = x.to(tl.float32)
+            x_tile = x_tile.to(tl.float32)
         # ---- acc[n, t] += sum_k w[n, k] * x[t, k]
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K
+        acc = tl.dot(w, tl.trans(x_tile), acc, input_precision=INPUT_PRECISION)
+        if not USE_DESC:
+            x_ptrs += BLOCK_K
 
     # ---- epilogue: bias, cast, store out[t, n] = acc[n, t]
     if HAS_BIAS:
@@ -91,10 +100,12 @@ def nm24_decode_kernel(
 
 def _decode_configs() -> list[triton.Config]:
     if INTERPRET:  # one config: the interpreter fails with several; big blocks keep it fast
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4)]
+        return [
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 64, "X_DESC": True}, num_warps=4, pre_hook=set_x_block)
+        ]
     # (BLOCK_N, BLOCK_K, num_warps, num_stages). Small BLOCK_N keeps >= 132 programs on the
-    # 4096-row layers (mma.sync); 64/128 rows use wgmma. All compile for sm_90a without spills
-    # (benchmarks/kernel_sass.py).
+    # 4096-row layers (mma.sync, x through TMA); 64/128 rows use wgmma (x through pointers: TMA
+    # gains nothing there). None spills on sm_90a (benchmarks/kernel_sass.py).
     shapes = [
         (16, 256, 2, 3),
         (32, 128, 2, 3),
@@ -105,11 +116,22 @@ def _decode_configs() -> list[triton.Config]:
         (128, 128, 4, 3),
     ]
     return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in shapes
+        triton.Config(
+            {"BLOCK_N": bn, "BLOCK_K": bk, "X_DESC": bn < 64}, num_warps=w, num_stages=s, pre_hook=set_x_block
+        )
+        for bn, bk, w, s in shapes
     ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    return descriptor_or_pointer_configs(configs, kwargs["HAS_DESC"])
 
 
 nm24_decode = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args["BLOCK_K"] == 0})(
     nm24_decode_kernel
 )
-nm24_decode = triton.autotune(_decode_configs(), key=["out_features", "in_features", "WORDS"])(nm24_decode)
+nm24_decode = triton.autotune(
+    _decode_configs(),
+    key=["out_features", "in_features", "WORDS", "HAS_DESC"],
+    prune_configs_by={"early_config_prune": _prune},
+)(nm24_decode)

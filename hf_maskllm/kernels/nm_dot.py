@@ -6,12 +6,9 @@ decode kernel) and feeds the dense tensor cores: ``acc[M, N] += x[M, K] @ w[N, K
 At best it matches dense cuBLAS (the work is dense); what it saves is the weight bytes read, and
 the expansion must stay under the tile's tensor-core time (``benchmarks/kernel_sass.py``).
 
-The activations come through a TMA tensor descriptor when their layout allows it (``X_DESC``: rows
-16-byte aligned): the copy engine then writes the ``x`` tile into shared memory in the MMA's layout
-and zero-fills what lies outside ``[T, K]``, so the loop issues no address arithmetic, masks or
-shared-memory stores for ``x``. Counted on sm_90a SASS this halves the loop's instructions, and
-only then can 128-256-token tiles hide the expansion under the MMAs. Otherwise ``x`` is read with
-pointers.
+On Hopper the activations come through a TMA descriptor (:mod:`.tma`): that halves the loop's
+instructions, and only then can 128-256-token tiles hide the expansion under the MMAs. Without one
+``x`` is read with pointers and tiles above 128 x 128 are left out (they spill).
 """
 
 from __future__ import annotations
@@ -20,14 +17,16 @@ import triton
 import triton.language as tl
 
 from .expand import INTERPRET, load_weight_tile
+from .tma import descriptor_or_pointer_configs, set_x_block
 
-__all__ = ["nm24_dot", "nm24_dot_kernel", "x_descriptor"]
+__all__ = ["nm24_dot", "nm24_dot_kernel"]
 
 
 @triton.jit
 def nm24_dot_kernel(
     # Pointers
-    x,  # [T, K] activations: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K] (X_DESC)
+    x_ptr,  # [T, K] activations
+    x_desc,  # the same through a TMA descriptor (block [BLOCK_M, BLOCK_K]) when HAS_DESC; else x_ptr again
     values_ptr,  # WORDS: int32 [N, K/4] (the values viewed as words); else [N, K/2] in x's dtype
     meta_ptr,  # [N, ceil(K/8)] uint8 positions
     bias_ptr,  # [N] or a dummy pointer when HAS_BIAS is False
@@ -44,7 +43,8 @@ def nm24_dot_kernel(
     stride_ot,
     # Meta-parameters
     HAS_BIAS: tl.constexpr,
-    X_DESC: tl.constexpr,  # x is a TMA tensor descriptor
+    HAS_DESC: tl.constexpr,  # x_desc is a descriptor (autotune key: configs may read x through it)
+    X_DESC: tl.constexpr,  # this config reads x through x_desc
     WORDS: tl.constexpr,  # 16-bit weights read as kept-value words and expanded with byte permutes
     UPCAST: tl.constexpr,  # interpreter: compute in fp32 (its bf16 arithmetic is wrong)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
@@ -74,14 +74,15 @@ def nm24_dot_kernel(
     rows = offs_n.to(tl.int64)[:, None]
     v_rows = values_ptr + rows * stride_vn
     m_rows = meta_ptr + rows * stride_mn
-    if not X_DESC:
-        x_ptrs = x + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    USE_DESC: tl.constexpr = X_DESC and HAS_DESC  # configs may want a descriptor that is not there
+    if not USE_DESC:
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         # ---- activations [BLOCK_M, BLOCK_K] and expanded weight tile [BLOCK_N, BLOCK_K]
-        if X_DESC:
-            x_tile = x.load([pid_m * BLOCK_M, k0])  # zero-filled outside [T, K]
+        if USE_DESC:
+            x_tile = x_desc.load([pid_m * BLOCK_M, k0])  # zero-filled outside [T, K]
         elif EVEN_K:
             x_tile = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         else:
@@ -94,7 +95,7 @@ def nm24_dot_kernel(
             w = w.to(tl.float32)
         # ---- acc += x @ w.T
         acc = tl.dot(x_tile, tl.trans(w), acc, input_precision=INPUT_PRECISION)
-        if not X_DESC:
+        if not USE_DESC:
             x_ptrs += BLOCK_K
 
     # ---- epilogue: bias, cast, store
@@ -105,29 +106,13 @@ def nm24_dot_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _set_x_block(nargs: dict) -> None:
-    """Autotune pre-hook: a TMA descriptor's block is the config's ``[BLOCK_M, BLOCK_K]``."""
-    if nargs["X_DESC"]:
-        nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-
-
-def x_descriptor(x2d):
-    """A TMA descriptor over ``x2d [T, K]`` (block set per config), or None where TMA cannot read it."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    row_bytes = x2d.stride(0) * x2d.element_size()
-    if x2d.stride(1) != 1 or row_bytes % 16 or x2d.data_ptr() % 16:
-        return None
-    return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), [16, 16])
-
-
 def _dot_configs() -> list[triton.Config]:
     if INTERPRET:  # one config: the interpreter fails with several
         return [
             triton.Config(
-                {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8},
+                {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8, "X_DESC": True},
                 num_warps=4,
-                pre_hook=_set_x_block,
+                pre_hook=set_x_block,
             )
         ]
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); none spills on sm_90a (benchmarks/kernel_sass.py).
@@ -144,20 +129,21 @@ def _dot_configs() -> list[triton.Config]:
     ]
     return [
         triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "X_DESC": True},
             num_warps=w,
             num_stages=s,
-            pre_hook=_set_x_block,
+            pre_hook=set_x_block,
         )
         for bm, bn, bk, w, s in shapes
     ]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Tiles above 128 x 128 only with TMA-read x: with pointer loads they spill (kernel_sass.py)."""
-    if kwargs.get("X_DESC", named_args.get("X_DESC")):
-        return configs
-    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    """Without a descriptor: pointer configs, none above 128 x 128 (they spill; kernel_sass.py)."""
+    configs = descriptor_or_pointer_configs(configs, kwargs["HAS_DESC"])
+    return [
+        c for c in configs if c.kwargs["X_DESC"] or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128
+    ]
 
 
 nm24_dot = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args["BLOCK_K"] == 0})(
@@ -165,6 +151,6 @@ nm24_dot = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args[
 )
 nm24_dot = triton.autotune(
     _dot_configs(),
-    key=["tokens_bucket", "out_features", "in_features", "WORDS", "X_DESC"],
+    key=["tokens_bucket", "out_features", "in_features", "WORDS", "HAS_DESC"],
     prune_configs_by={"early_config_prune": _prune},
 )(nm24_dot)

@@ -48,13 +48,6 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _use_tma(x: torch.Tensor) -> bool:
-    """TMA descriptors: Hopper or newer (and the interpreter, which emulates them)."""
-    if _interpret():
-        return True
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
 def meta_bytes_per_row(n: int, m: int, in_features: int) -> int:
     """Bytes of position metadata per row: ``ceil((in * n / m) * ceil(log2 m) / 8)``."""
     bits = math.ceil(math.log2(m))
@@ -149,6 +142,7 @@ def nm_linear_decode(
     import triton
 
     from .nm_decode import nm24_decode
+    from .tma import x_descriptor
 
     num_tokens, in_features = x2d.shape
     if not 1 <= num_tokens <= DECODE_MAX_TOKENS:
@@ -157,15 +151,16 @@ def nm_linear_decode(
         )
     x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
     out_features = values.shape[0]
+    x_desc = x_descriptor(x2d)
 
     def grid(meta_args):
         return (triton.cdiv(out_features, meta_args["BLOCK_N"]), 1)
 
     nm24_decode[grid](
-        x2d, values, meta, bias if bias is not None else values, out,
+        x2d, x2d if x_desc is None else x_desc, values, meta, bias if bias is not None else values, out,
         num_tokens, out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, WORDS=words, UPCAST=_interpret(),
+        HAS_BIAS=bias is not None, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32", BLOCK_T=DECODE_MAX_TOKENS,
     )  # fmt: skip
     return out
@@ -181,11 +176,12 @@ def nm_linear_dot(
     """2:4 tile-expanding ``tl.dot`` kernel for any token count; ``x2d [T, K]`` -> ``[T, N]``."""
     import triton
 
-    from .nm_dot import nm24_dot, x_descriptor
+    from .nm_dot import nm24_dot
+    from .tma import x_descriptor
 
     num_tokens, in_features = x2d.shape
     x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
-    x_desc = x_descriptor(x2d) if _use_tma(x2d) else None
+    x_desc = x_descriptor(x2d)
     out_features = values.shape[0]
 
     def grid(meta_args):
@@ -194,10 +190,10 @@ def nm_linear_dot(
         )
 
     nm24_dot[grid](
-        x2d if x_desc is None else x_desc, values, meta, bias if bias is not None else values, out,
+        x2d, x2d if x_desc is None else x_desc, values, meta, bias if bias is not None else values, out,
         num_tokens, triton.next_power_of_2(num_tokens), out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, X_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
+        HAS_BIAS=bias is not None, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

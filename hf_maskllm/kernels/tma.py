@@ -1,0 +1,59 @@
+"""Activations through a TMA tensor descriptor (Hopper and newer), shared by the matmul kernels.
+
+With a descriptor the copy engine writes the ``x`` tile into shared memory in the MMA's layout and
+zero-fills what lies outside ``[T, K]``: the kernel's loop issues no address arithmetic, masks or
+shared-memory stores for ``x``. Counted on sm_90a SASS (``benchmarks/kernel_sass.py``) that halves
+the ``tl.dot`` kernel's loop and takes a fifth off the ``mma.sync`` decode configs; for the decode
+configs on ``wgmma`` it changes nothing, so those keep pointers.
+
+Each kernel takes both ``x_ptr`` and ``x_desc`` and a per-config ``X_DESC``; the launcher passes
+``HAS_DESC`` (whether ``x_desc`` is a real descriptor, part of the autotune key) and
+:func:`descriptor_or_pointer_configs` turns configs that want a descriptor into pointer configs
+when there is none (rows not 16-byte aligned, pre-Hopper GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+__all__ = ["descriptor_or_pointer_configs", "set_x_block", "x_descriptor"]
+
+
+def x_descriptor(x2d: torch.Tensor):
+    """A TMA descriptor over ``x2d [T, K]`` (its block is set per config), or None where TMA cannot read it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter emulates TMA
+    if not interpret and not (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device)[0] >= 9):
+        return None
+    row_bytes = x2d.stride(0) * x2d.element_size()
+    if x2d.stride(1) != 1 or row_bytes % 16 or x2d.data_ptr() % 16:
+        return None
+    return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), [16, 16])
+
+
+def set_x_block(nargs: dict) -> None:
+    """Autotune pre-hook: the descriptor's block is the config's ``[rows, BLOCK_K]`` tile of ``x``."""
+    if nargs["X_DESC"] and nargs["HAS_DESC"]:
+        rows = nargs["BLOCK_M"] if "BLOCK_M" in nargs else nargs["BLOCK_T"]
+        nargs["x_desc"].block_shape = [rows, nargs["BLOCK_K"]]
+
+
+def descriptor_or_pointer_configs(configs: list[triton.Config], has_desc: bool) -> list[triton.Config]:
+    """``configs`` as they are when there is a descriptor; otherwise their ``X_DESC=False`` versions."""
+    if has_desc:
+        return configs
+    out = []
+    for c in configs:
+        if c.kwargs["X_DESC"]:
+            c = triton.Config(
+                {**c.kwargs, "X_DESC": False},
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+                pre_hook=c.pre_hook,
+            )
+        out.append(c)
+    return out
