@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (out, in): odd sizes (partial blocks, odd meta tail), then model-like sizes
-SHAPES = [(123, 204), (1000, 2056), (4096, 4096), (1024, 14336)]
+SHAPES = [(123, 204), (1000, 2056), (4096, 4096)]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
