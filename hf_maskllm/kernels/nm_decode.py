@@ -9,7 +9,8 @@ per group of 4), expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers
 ``x^T [BLOCK_K, BLOCK_T]`` on the tensor cores (``BLOCK_T = 16``, padded with zero rows). The weight
 is the dot's *first* operand, so the expanded tile goes from registers straight into the MMA
 (Hopper ``wgmma`` takes its A operand from registers; ``mma.sync`` always does) and only the small
-``x^T`` goes through shared memory. The weight is read once for all tokens; decode is memory-bound,
+``x^T`` goes through shared memory (copied there by TMA for the configs that gain from it:
+:mod:`.tma`). The weight is read once for all tokens; decode is memory-bound,
 so the compressed bytes (56.25% of dense) set the speed as long as the expansion fits in the
 instruction budget, which is why it is done with byte permutes rather than FMAs per token.
 """
