@@ -6,12 +6,14 @@ Every autotune config of both kernels is compiled for sm_90a with Triton's own t
 cuobjdump ship in the triton wheel), and the main loop's SASS is counted. The figure of merit is
 *issued thread-instructions per compressed group of 4 weights*: an H200 issues about
 132 SMs x 4 x 32 x 1.98 GHz = 33.4e12 thread-instructions/s while HBM delivers 4.3e12 B/s, i.e.
-4.8e12/4.5 = 0.96e12 compressed bf16 groups/s (4 value bytes + 0.5 meta bytes each). A decode kernel
+4.3e12/4.5 = 0.96e12 compressed bf16 groups/s (4 value bytes + 0.5 meta bytes each). A decode kernel
 above ~35 instructions per group is therefore issue-bound, not memory-bound, whatever its memory
 access pattern; well below it, the bytes decide. For the large-batch kernel the loop's issue
 cycles are compared with its tensor-core cycles (about 2048 bf16 multiply-adds per cycle per SM):
 above 1, expanding the weight costs more than multiplying it. The MMA count in the loop checks that
-the right loop was found. This predicts; the H200 decides (``benchmarks/kernels.py``).
+the right loop was found. Each config is also compiled with a bias and with a K tail (the variants
+not counted) to check that none of them spills. This predicts; the H200 decides
+(``benchmarks/kernels.py``).
 """
 
 from __future__ import annotations
@@ -98,8 +100,19 @@ def rows_for(kernel, signature, fixed, configs, tokens_per_program, tag=""):
             ", ".join(f"{k}={v}" for k, v in kw.items()) + f", warps={cfg.num_warps}, stages={cfg.num_stages}"
         )
         name += f" ({tag})" if tag else ""
+        # the counted variant has no bias and no K tail; the others must not spill either
+        worst = 0
+        for has_bias, even_k in ((True, True), (False, False), (True, False)):
+            variant = compile_sm90(
+                kernel, signature, {**fixed, **kw, "HAS_BIAS": has_bias, "EVEN_K": even_k},
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            worst = max(
+                worst, int((re.findall(r"spills (\d+) B", sass_report(variant.asm["ptx"])[0]) or [0])[0])
+            )
         out.append((name, tokens_per_program(kw), mma, info, len(loop), f"{per_group:.1f}",
-                    f"{issue_clk / mma_clk:.1f}", ops["STS"] + ops["LDS"], ops["LDL"] + ops["STL"]))  # fmt: skip
+                    f"{issue_clk / mma_clk:.1f}", ops["STS"] + ops["LDS"], ops["LDL"] + ops["STL"],
+                    f"{worst} B"))  # fmt: skip
         print("  " + " | ".join(str(c) for c in out[-1]), flush=True)
     return out
 
@@ -144,7 +157,8 @@ def main() -> None:
                     tag="TMA x" if use_desc else "pointer x",
                 )  # fmt: skip
     header = ("config", "tokens / program", "MMA in loop (per warp)", "ptxas", "loop SASS / warp",
-              "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops")  # fmt: skip
+              "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops",
+              "worst spill (bias / K-tail variants)")  # fmt: skip
     table = (
         f"sm_90a SASS of the K loop, triton {triton.__version__}; issue budget at full HBM bandwidth "
         f"~{ISSUE_BUDGET:.0f} thread-instructions per group\n\n"

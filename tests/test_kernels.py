@@ -25,7 +25,7 @@ tl = triton.language
 
 from kernel_reference import assert_close, make_case, ref_compress  # noqa: E402
 
-from hf_maskllm.kernels.expand import expand_24_words  # noqa: E402
+from hf_maskllm.kernels.expand import expand_24_words, prmt_selectors  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="kernel tests run the Triton interpreter on CPU"
@@ -83,14 +83,21 @@ def prmt_spec(a: int, b: int, sel: int) -> int:
     return out
 
 
-def test_prmt_selectors_rebuild_every_group_with_the_ptx_instruction():
-    # the GPU path is `prmt(word, 0, sel)` / `prmt(word, 0, sel >> 16)`; check it against the spec
-    def selector(nib):  # the formula of hf_maskllm.kernels.expand.prmt_selectors, in Python
-        return (0x44444444 - (0x34 << ((nib & 3) << 3)) - (0x12 << ((nib >> 2) << 3))) & 0xFFFFFFFF
+@triton.jit
+def _selectors_kernel(nib_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, prmt_selectors(tl.load(nib_ptr + offs)))
 
+
+def test_prmt_selectors_rebuild_every_group_with_the_ptx_instruction():
+    # the GPU path is `prmt(word, 0, sel)` / `prmt(word, 0, sel >> 16)`: the kernels' own selectors
+    # (computed by the interpreter) against the instruction as the PTX manual defines it
+    nibs = torch.tensor(NIBBLES + [0] * 2, dtype=torch.int32)
+    selectors = torch.zeros(8, dtype=torch.int32)
+    _selectors_kernel[(1,)](nibs, selectors, BLOCK=8)
     v0, v1 = 0xBEEF, 0x8001  # sign bits set: sign replication would show
-    for nib in NIBBLES:
-        sel = selector(nib)
+    for nib, sel in zip(NIBBLES, selectors.tolist()):
+        sel &= 0xFFFFFFFF
         assert all(((sel >> (4 * i)) & 0xF) <= 4 for i in range(8)), "selector nibbles must be 0..4"
         word = v0 | v1 << 16
         dense = prmt_spec(word, 0, sel & 0xFFFF) | prmt_spec(word, 0, sel >> 16) << 32
@@ -171,6 +178,48 @@ def test_kernels_on_whole_blocks_and_unaligned_values(fn, tokens, dtype):
     shifted = torch.empty(values.numel() + 1, dtype=dtype)[1:].view_as(values).copy_(values)
     assert shifted.is_contiguous() and shifted.data_ptr() % 4 == 2
     assert_close(fn(x, shifted, meta, b), ref, scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fn,tokens", [(nm_linear_decode, 5), (nm_linear_dot, 33)], ids=["decode", "dot"])
+def test_unaligned_activations_take_the_pointer_path(fn, tokens, dtype):
+    from hf_maskllm.kernels.tma import x_descriptor
+
+    x, values, meta, b, ref, scale = make_case(tokens, 40, 128, dtype, True, seed=12)
+    # rows of x starting one element after a 16-byte boundary: no TMA descriptor (any dtype)
+    shifted = torch.empty(x.numel() + 1, dtype=dtype)[1:].view_as(x).copy_(x)
+    assert shifted.is_contiguous() and x_descriptor(shifted) is None and x_descriptor(x) is not None
+    assert_close(fn(shifted, values, meta, b), ref, scale, dtype)
+    # a broadcast row (stride 0) is not a TMA layout either
+    assert x_descriptor(x[:1].expand(1, 128).as_strided((1, 128), (0, 1))) is None
+
+
+@pytest.mark.parametrize("has_desc", [True, False], ids=["x-tma", "x-pointers"])
+@pytest.mark.parametrize(
+    "fn,module,tokens", [(nm_linear_decode, "nm_decode", 3), (nm_linear_dot, "nm_dot", 40)]
+)
+def test_every_candidate_config(fn, module, tokens, has_desc):
+    # every config the autotuner may pick, run on its own (one config under the interpreter)
+    import importlib
+
+    x, values, meta, b, ref, scale = make_case(
+        tokens, 48, 128 if has_desc else 132, torch.bfloat16, True, seed=13
+    )
+    configs = importlib.import_module(f"hf_maskllm.kernels.{module}").candidate_configs(has_desc)
+    assert configs
+    for config in configs:
+        out = torch.full((tokens, 48), float("nan"), dtype=torch.bfloat16)
+        assert_close(fn(x, values, meta, b, out=out, config=config), ref, scale, torch.bfloat16)
+
+
+def test_bias_any_strides_and_dtype_checked():
+    x, values, meta, b, ref, scale = make_case(3, 40, 64, torch.bfloat16, True, seed=14)
+    strided = torch.stack([b, torch.zeros_like(b)], dim=1)[:, 0]  # stride 2
+    assert strided.stride() == (2,)
+    for fn in (nm_linear_decode, nm_linear_dot, nm_linear_expand):
+        assert_close(fn(x, values, meta, strided), ref, scale, torch.bfloat16)
+    with pytest.raises(MaskLLMError, match="bias.to"):
+        nm_linear(x, values, meta, 2, 4, 64, b.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

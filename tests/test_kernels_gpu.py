@@ -2,8 +2,9 @@
 
 Skipped without a GPU (CI); the GPU session runs it first (``benchmarks/gpu_session.sh``):
 ``TRITON_INTERPRET=0 python -m pytest -q tests/test_kernels_gpu.py``. It covers what the interpreter
-cannot: the inline-PTX byte permutes, real tensor-core ``tl.dot`` in fp16/bf16, every autotune
-config that wins on real shapes, CUDA graphs and ``torch.compile(mode="reduce-overhead")``.
+cannot: the inline-PTX byte permutes, real tensor-core ``tl.dot`` in fp16/bf16/fp32, TMA copies,
+every autotune config (not only the winners), CUDA graphs and ``torch.compile(mode="reduce-overhead")``.
+Ordered by what only a GPU can tell, so that a timeout loses the least.
 """
 
 import os
@@ -17,31 +18,49 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and TRITON_INTERPRET=0",
 )
 
-# (out, in): odd sizes (partial blocks, odd meta tail), then model-like sizes
-SHAPES = [(123, 204), (1000, 2056), (4096, 4096)]
-DTYPES = [torch.bfloat16, torch.float16]
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (dtype, (out, in), tokens): odd sizes (partial blocks, odd meta tail, rows not 16-byte aligned),
+# model-like sizes, both sides of each route boundary, one prefill-sized batch
+CASES = (
+    [(BF16, shape, t) for shape in [(123, 204), (1000, 2056), (4096, 4096)] for t in (1, 7, 16, 17, 64, 2048)]
+    + [(FP16, (1000, 2056), t) for t in (1, 17, 2048)]
+    + [(FP32, (1000, 2056), t) for t in (1, 64)]
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
 def _exact_cublas():
-    # the expand route ends in cuBLAS: keep its bf16/fp16 reductions in fp32 like the kernels
-    saved = (
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-    )
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    # the expand route ends in cuBLAS: keep its 16-bit reductions in fp32 like the kernels
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
     yield
-    (
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-    ) = saved
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64, 2048])
-def test_every_route_on_the_gpu(tokens, shape, dtype):
+def test_cuda_graph_and_compile_reduce_overhead():
+    from torch._dynamo.utils import counters
+
+    from hf_maskllm.kernels import nm_linear
+
+    counters.clear()
+    g = torch.Generator().manual_seed(6)
+    for tokens in (1, 64):  # the decode route; the tl.dot route with x through TMA
+        _, values, meta, b, _, _ = make_case(tokens, 4096, 4096, BF16, True, seed=5, device="cuda")
+
+        def f(x, values=values, meta=meta, b=b):
+            return torch.nn.functional.silu(nm_linear(x, values, meta, 2, 4, 4096, b))
+
+        compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+        for _ in range(4):  # fresh inputs through the captured CUDA graph each time
+            x = torch.randn(tokens, 4096, generator=g).to(BF16).cuda()
+            got, want = compiled(x).float(), f(x).float()  # eager: checked against float64 below
+            assert torch.allclose(got, want, rtol=2**-7, atol=1e-3), (got - want).abs().max()
+    assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled graphs did not run as CUDA graphs"
+
+
+@pytest.mark.parametrize("dtype,shape,tokens", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_every_route_on_the_gpu(dtype, shape, tokens):
     from hf_maskllm.kernels import DECODE_MAX_TOKENS, nm_linear
     from hf_maskllm.kernels.ops import nm_linear_decode, nm_linear_dot, nm_linear_expand
 
@@ -49,18 +68,32 @@ def test_every_route_on_the_gpu(tokens, shape, dtype):
     x, values, meta, b, ref, scale = make_case(
         tokens, out_f, in_f, dtype, True, seed=tokens + out_f, device="cuda"
     )
-    routes = {"dot": nm_linear_dot, "expand": nm_linear_expand}
-    if tokens <= DECODE_MAX_TOKENS:
-        routes["decode"] = nm_linear_decode
-    for name, fn in routes.items():
-        kwargs = {}
-        if name != "expand":  # poison: every element must be written
-            kwargs["out"] = torch.full((tokens, out_f), float("nan"), dtype=dtype, device="cuda")
-        assert_close(fn(x, values, meta, b, **kwargs), ref, scale, dtype)
+    routes = {"decode": nm_linear_decode} if tokens <= DECODE_MAX_TOKENS else {"dot": nm_linear_dot}
+    for fn in routes.values():
+        fn(x, values, meta, b)  # autotune first: it writes every config's output into `out`
+        out = torch.full((tokens, out_f), float("nan"), dtype=dtype, device="cuda")  # poison
+        assert_close(fn(x, values, meta, b, out=out), ref, scale, dtype)
+    assert_close(nm_linear_expand(x, values, meta, b), ref, scale, dtype)
     assert_close(nm_linear(x, values, meta, 2, 4, in_f, b), ref, scale, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("has_desc", [True, False], ids=["x-tma", "x-pointers"])
+@pytest.mark.parametrize("module,tokens", [("nm_decode", 5), ("nm_dot", 300)])
+def test_every_candidate_config_on_the_gpu(module, tokens, has_desc):
+    # not only the autotune winners: any config can win on another shape or through timing noise
+    import importlib
+
+    from hf_maskllm.kernels.ops import nm_linear_decode, nm_linear_dot
+
+    fn = nm_linear_decode if module == "nm_decode" else nm_linear_dot
+    in_f = 2056 if has_desc else 2052  # 2052 bf16 rows are not 16-byte multiples: no descriptor
+    x, values, meta, b, ref, scale = make_case(tokens, 1000, in_f, BF16, True, seed=7, device="cuda")
+    for config in importlib.import_module(f"hf_maskllm.kernels.{module}").candidate_configs(has_desc):
+        out = torch.full((tokens, 1000), float("nan"), dtype=BF16, device="cuda")
+        assert_close(fn(x, values, meta, b, out=out, config=config), ref, scale, BF16)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
 def test_decompress_is_exact_on_the_gpu(dtype):
     from kernel_reference import ref_compress
 
@@ -69,19 +102,3 @@ def test_decompress_is_exact_on_the_gpu(dtype):
     g = torch.Generator().manual_seed(3)
     values, meta, dense = ref_compress(torch.randn(1000, 2056, generator=g).to(dtype), 2, 4)
     assert torch.equal(nm_decompress_24(values.cuda(), meta.cuda(), 2056).cpu(), dense)
-
-
-def test_cuda_graph_and_compile_reduce_overhead():
-    from hf_maskllm.kernels import nm_linear
-
-    _, values, meta, b, _, _ = make_case(1, 4096, 4096, torch.bfloat16, True, seed=5, device="cuda")
-
-    def f(x):
-        return torch.nn.functional.silu(nm_linear(x, values, meta, 2, 4, 4096, b))
-
-    compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
-    g = torch.Generator().manual_seed(6)
-    for _ in range(4):  # fresh inputs through the captured CUDA graph each time
-        x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
-        got, want = compiled(x).float(), f(x).float()  # eager: checked against float64 above
-        assert torch.allclose(got, want, rtol=2**-7, atol=1e-3), (got - want).abs().max()

@@ -1,4 +1,4 @@
-"""Where a compressed 2:4 tile becomes dense, in registers (shared by both kernels).
+"""Where a compressed 2:4 tile becomes dense, in registers (shared by the three kernels).
 
 Format (see ``hf_maskllm.sparse.format``): ``values [out, in/2]`` holds the 2 kept weights of every
 group of 4 inputs in increasing position order; ``meta uint8 [out, in/8]`` holds their positions,

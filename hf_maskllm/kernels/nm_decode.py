@@ -23,7 +23,7 @@ import triton.language as tl
 from .expand import INTERPRET, load_weight_tile
 from .tma import descriptor_or_pointer_configs, set_x_block
 
-__all__ = ["nm24_decode", "nm24_decode_kernel"]
+__all__ = ["candidate_configs", "nm24_decode", "nm24_decode_kernel"]
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _decode_configs() -> list[triton.Config]:
         ]
     # (BLOCK_N, BLOCK_K, num_warps, num_stages). Small BLOCK_N keeps >= 132 programs on the
     # 4096-row layers (mma.sync, x through TMA); 64/128 rows use wgmma (x through pointers: TMA
-    # gains nothing there). None spills on sm_90a (benchmarks/kernel_sass.py).
+    # gains nothing there). None that the pruning keeps spills on sm_90a (benchmarks/kernel_sass.py).
     shapes = [
         (16, 256, 2, 3),
         (32, 128, 2, 3),
@@ -125,7 +125,9 @@ def _decode_configs() -> list[triton.Config]:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    return descriptor_or_pointer_configs(configs, kwargs["HAS_DESC"])
+    """Without a descriptor: pointer configs, none with one warp (it spills with a bias; kernel_sass.py)."""
+    configs = descriptor_or_pointer_configs(configs, kwargs["HAS_DESC"])
+    return [c for c in configs if c.kwargs["X_DESC"] or c.num_warps > 1]
 
 
 nm24_decode = triton.heuristics({"EVEN_K": lambda args: args["in_features"] % args["BLOCK_K"] == 0})(
@@ -136,3 +138,8 @@ nm24_decode = triton.autotune(
     key=["out_features", "in_features", "WORDS", "HAS_DESC"],
     prune_configs_by={"early_config_prune": _prune},
 )(nm24_decode)
+
+
+def candidate_configs(has_desc: bool) -> list[triton.Config]:
+    """The configs the autotuner chooses from for inputs with / without a TMA descriptor."""
+    return _prune(_decode_configs(), {}, HAS_DESC=has_desc)

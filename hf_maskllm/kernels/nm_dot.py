@@ -1,4 +1,4 @@
-"""2:4 sparse matmul for many tokens (prefill, large batches): tile-expanding ``tl.dot``.
+"""2:4 sparse matmul for mid-size batches (17 to ``EXPAND_MIN_TOKENS - 1`` tokens): tile-expanding ``tl.dot``.
 
 Upstream Triton has no sparse tensor-core MMA, so each program loads the compressed weight tile,
 expands it to a dense ``[BLOCK_N, BLOCK_K]`` tile in registers (:mod:`.expand`, shared with the
@@ -19,7 +19,7 @@ import triton.language as tl
 from .expand import INTERPRET, load_weight_tile
 from .tma import descriptor_or_pointer_configs, set_x_block
 
-__all__ = ["nm24_dot", "nm24_dot_kernel"]
+__all__ = ["candidate_configs", "nm24_dot", "nm24_dot_kernel"]
 
 
 @triton.jit
@@ -154,3 +154,8 @@ nm24_dot = triton.autotune(
     key=["tokens_bucket", "out_features", "in_features", "WORDS", "HAS_DESC"],
     prune_configs_by={"early_config_prune": _prune},
 )(nm24_dot)
+
+
+def candidate_configs(has_desc: bool) -> list[triton.Config]:
+    """The configs the autotuner chooses from for inputs with / without a TMA descriptor."""
+    return _prune(_dot_configs(), {}, HAS_DESC=has_desc)

@@ -99,6 +99,11 @@ def _check_args(
             raise MaskLLMError(
                 f"nm_linear: `bias` must have shape [{out_features}], got {tuple(bias.shape)}."
             )
+        if bias.dtype != x.dtype:
+            raise MaskLLMError(
+                f"nm_linear: bias dtype {bias.dtype} differs from input dtype {x.dtype}; cast it with "
+                f"bias.to({x.dtype})."
+            )
         tensors["bias"] = bias
     for name, t in tensors.items():
         if t.device != x.device:
@@ -123,12 +128,33 @@ def _kernel_values(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (values.view(torch.int32) if words else values), words
 
 
-def _prepare(x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None):
-    """Contiguous inputs, the output buffer, and the values as the kernels read them."""
+def _prepare(
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+):
+    """Contiguous inputs (the kernels assume unit strides), the output buffer, the values as the
+    kernels read them, and the pointer to pass for an absent bias."""
     if out is None:
         out = torch.empty(x2d.shape[0], values.shape[0], dtype=x2d.dtype, device=x2d.device)
     values, words = _kernel_values(values)
-    return x2d.contiguous(), values, meta.contiguous(), out, words
+    bias = bias.contiguous() if bias is not None else values  # a dummy pointer when HAS_BIAS is False
+    return x2d.contiguous(), values, meta.contiguous(), bias, out, words
+
+
+def _launch(tuned, grid, args: tuple, constexprs: dict, config, x_desc) -> None:
+    """Launch an autotuned kernel, or, with ``config``, that one config of it (tests, benchmarks)."""
+    if config is None:
+        tuned[grid](*args, **constexprs)
+        return
+    full = {**constexprs, **config.kwargs, "x_desc": x_desc}
+    if config.pre_hook is not None:
+        config.pre_hook(full)
+    tuned.fn[grid](
+        *args, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
 
 
 def nm_linear_decode(
@@ -137,8 +163,13 @@ def nm_linear_decode(
     meta: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    config=None,
 ) -> torch.Tensor:
-    """2:4 decode kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``."""
+    """2:4 decode kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``.
+
+    ``config``: run this ``triton.Config`` (one of ``nm_decode.candidate_configs``) instead of the
+    autotuned choice.
+    """
     import triton
 
     from .nm_decode import nm24_decode
@@ -149,20 +180,24 @@ def nm_linear_decode(
         raise MaskLLMError(
             f"nm_linear_decode takes 1..{DECODE_MAX_TOKENS} tokens, got {num_tokens}; use nm_linear."
         )
-    x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
+    has_bias = bias is not None
+    x2d, values, meta, bias, out, words = _prepare(x2d, values, meta, bias, out)
     out_features = values.shape[0]
     x_desc = x_descriptor(x2d)
 
     def grid(meta_args):
         return (triton.cdiv(out_features, meta_args["BLOCK_N"]), 1)
 
-    nm24_decode[grid](
-        x2d, x2d if x_desc is None else x_desc, values, meta, bias if bias is not None else values, out,
+    args = (
+        x2d, x2d if x_desc is None else x_desc, values, meta, bias, out,
         num_tokens, out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_BIAS=has_bias, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32", BLOCK_T=DECODE_MAX_TOKENS,
     )  # fmt: skip
+    _launch(nm24_decode, grid, args, constexprs, config, x_desc)
     return out
 
 
@@ -172,15 +207,21 @@ def nm_linear_dot(
     meta: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    config=None,
 ) -> torch.Tensor:
-    """2:4 tile-expanding ``tl.dot`` kernel for any token count; ``x2d [T, K]`` -> ``[T, N]``."""
+    """2:4 tile-expanding ``tl.dot`` kernel for any token count; ``x2d [T, K]`` -> ``[T, N]``.
+
+    ``config``: run this ``triton.Config`` (one of ``nm_dot.candidate_configs``) instead of the
+    autotuned choice.
+    """
     import triton
 
     from .nm_dot import nm24_dot
     from .tma import x_descriptor
 
     num_tokens, in_features = x2d.shape
-    x2d, values, meta, out, words = _prepare(x2d, values, meta, out)
+    has_bias = bias is not None
+    x2d, values, meta, bias, out, words = _prepare(x2d, values, meta, bias, out)
     x_desc = x_descriptor(x2d)
     out_features = values.shape[0]
 
@@ -189,13 +230,16 @@ def nm_linear_dot(
             triton.cdiv(num_tokens, meta_args["BLOCK_M"]) * triton.cdiv(out_features, meta_args["BLOCK_N"]),
         )
 
-    nm24_dot[grid](
-        x2d, x2d if x_desc is None else x_desc, values, meta, bias if bias is not None else values, out,
+    args = (
+        x2d, x2d if x_desc is None else x_desc, values, meta, bias, out,
         num_tokens, triton.next_power_of_2(num_tokens), out_features, in_features,
         x2d.stride(0), values.stride(0), meta.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_BIAS=has_bias, HAS_DESC=x_desc is not None, WORDS=words, UPCAST=_interpret(),
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    _launch(nm24_dot, grid, args, constexprs, config, x_desc)
     return out
 
 

@@ -30,14 +30,19 @@ def x_descriptor(x2d: torch.Tensor):
     if not interpret and not (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device)[0] >= 9):
         return None
     row_bytes = x2d.stride(0) * x2d.element_size()
-    if x2d.stride(1) != 1 or row_bytes % 16 or x2d.data_ptr() % 16:
+    # rows laid out one after another (a broadcast [1, K] view has stride 0), 16-byte aligned
+    if x2d.stride(1) != 1 or x2d.stride(0) < x2d.shape[1] or row_bytes % 16 or x2d.data_ptr() % 16:
         return None
     return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), [16, 16])
 
 
 def set_x_block(nargs: dict) -> None:
-    """Autotune pre-hook: the descriptor's block is the config's ``[rows, BLOCK_K]`` tile of ``x``."""
-    if nargs["X_DESC"] and nargs["HAS_DESC"]:
+    """Autotune pre-hook: the descriptor's block is the config's ``[rows, BLOCK_K]`` tile of ``x``.
+
+    Set for pointer configs too: the block is part of the compiled signature, so a block left over
+    from the previous config would compile the kernel again.
+    """
+    if nargs["HAS_DESC"]:
         rows = nargs["BLOCK_M"] if "BLOCK_M" in nargs else nargs["BLOCK_T"]
         nargs["x_desc"].block_shape = [rows, nargs["BLOCK_K"]]
 
