@@ -32,6 +32,7 @@ from hf_maskllm.perplexity import evaluate_perplexity
 BETAS = (0.9, 0.95)
 SETTINGS = {
     "fp32-adamw": ("float32 logits, torch AdamW (the reference)", "float32", torch.optim.AdamW, {}),
+    "fp32-maskadamw": ("float32 logits, MaskAdamW", "float32", MaskAdamW, {}),
     "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (default)", "bfloat16", MaskAdamW, {}),
     "bf16-maskadamw-m": (
         "bfloat16 logits, MaskAdamW + bf16 momentum",

@@ -16,12 +16,16 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError, MaskLLMError
 from ..patterns import check_nm_args
+
+if TYPE_CHECKING:
+    import triton
 
 __all__ = [
     "DECODE_MAX_TOKENS",
@@ -144,7 +148,7 @@ def _prepare(
     return x2d.contiguous(), values, meta.contiguous(), bias, out, words
 
 
-def _launch(tuned, grid, args: tuple, constexprs: dict, config, x_desc) -> None:
+def _launch(tuned, grid, args: tuple, constexprs: dict, config: triton.Config | None, x_desc) -> None:
     """Launch an autotuned kernel, or, with ``config``, that one config of it (tests, benchmarks)."""
     if config is None:
         tuned[grid](*args, **constexprs)
@@ -163,7 +167,7 @@ def nm_linear_decode(
     meta: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config=None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """2:4 decode kernel for ``1 <= x2d.shape[0] <= 16`` tokens; ``x2d [T, K]`` -> ``[T, N]``.
 
@@ -207,7 +211,7 @@ def nm_linear_dot(
     meta: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config=None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """2:4 tile-expanding ``tl.dot`` kernel for any token count; ``x2d [T, K]`` -> ``[T, N]``.
 
