@@ -156,12 +156,13 @@ def test_decode_kernel(tokens, dtype, bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("in_f", [200, 204], ids=["x-tma", "x-pointers"])
+@pytest.mark.parametrize("in_f", [200, 204], ids=["k200", "k204"])
 def test_dot_kernel(tokens, dtype, bias, in_f):
     from hf_maskllm.kernels.tma import x_descriptor
 
     x, values, meta, b, ref, scale = make_case(tokens, 123, in_f, dtype, bias, seed=100 + tokens)
-    # rows of 200 elements are 16-byte multiples (TMA descriptor); 204 fp16/bf16 are not (pointers)
+    # rows of 200 elements are 16-byte multiples (TMA descriptor); 204 fp16/bf16 are not (pointers;
+    # 204 fp32 rows are: the fp32 pointer path is test_unaligned_activations_take_the_pointer_path)
     assert (x_descriptor(x) is None) == (in_f * x.element_size() % 16 != 0)
     out = torch.full((tokens, 123), float("nan"), dtype=dtype)
     y = nm_linear_dot(x, values, meta, b, out=out)
