@@ -12,9 +12,10 @@ Two expansions:
 - :func:`expand_24_words` is the fast one for 16-bit weights. A group's two kept values are one
   32-bit word ``v0 | v1 << 16``; its dense form is two words, ``w0 | w1 << 16`` and ``w2 | w3 << 16``,
   and each is one byte permute of the kept word with zeros (PTX ``prmt``) under a selector computed
-  from the nibble with four integer ops. Counted on sm_90a SASS (``benchmarks/kernel_sass.py``) this
-  is about a third of the instructions of the compare-and-select form, which matters because batch-1
-  decode has only ~35 instruction slots per compressed group before it stops being memory-bound.
+  from the nibble with a few integer ops. In the decode loop this about halved the sm_90a
+  instructions per group against the compare-and-select form (counted while developing it with the
+  code of ``benchmarks/kernel_sass.py``), which matters because batch-1 decode has only ~35
+  instruction slots per compressed group before it stops being memory-bound.
   The interpreter (CPU) has no inline PTX: there ``prmt`` is emulated with shifts and masks, so the
   selector arithmetic is what the CPU tests check.
 """
