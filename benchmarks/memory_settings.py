@@ -33,6 +33,12 @@ BETAS = (0.9, 0.95)
 SETTINGS = {
     "fp32-adamw": ("float32 logits, torch AdamW (the reference)", "float32", torch.optim.AdamW, {}),
     "fp32-maskadamw": ("float32 logits, MaskAdamW", "float32", MaskAdamW, {}),
+    "fp32-adamw-nomomentum": (
+        "float32 logits, torch AdamW without momentum (beta1 = 0)",
+        "float32",
+        torch.optim.AdamW,
+        {"betas": (0.0, BETAS[1])},
+    ),
     "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (default)", "bfloat16", MaskAdamW, {}),
     "bf16-maskadamw-m": (
         "bfloat16 logits, MaskAdamW + bf16 momentum",
