@@ -47,8 +47,9 @@ def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
     if low:
         warnings.warn(
             f"Mask logits are {', '.join(sorted(low))} but the optimizer is {type(optimizer).__name__}: updates "
-            "below half a 16-bit step are rounded away, so the masks learn less. Use hf_maskllm.MaskAdamW "
-            "(Trainer(optimizer_cls_and_kwargs=(MaskAdamW, {'lr': 5e-4}))) or MaskConfig(logits_dtype='float32').",
+            "below half a 16-bit step are rounded away. Use hf_maskllm.MaskAdamW (stochastic rounding: "
+            "Trainer(optimizer_cls_and_kwargs=(MaskAdamW, {'lr': 5e-4}))) or MaskConfig(logits_dtype='float32'); "
+            "docs/scale.md has the measured quality of each setting.",
             stacklevel=2,
         )
 
