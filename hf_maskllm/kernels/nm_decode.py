@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .expand import INTERPRET, load_weight_tile
-from .tma import descriptor_or_pointer_configs, set_x_block
+from .tma import descriptor_or_pointer_configs, load_x_tile, set_x_block
 
 __all__ = ["candidate_configs", "nm24_decode", "nm24_decode_kernel"]
 
@@ -60,7 +60,6 @@ def nm24_decode_kernel(
     pid_t = tl.program_id(axis=1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < out_features
     mask_t = offs_t < num_tokens
     # int64 row offsets: N * K/2 and T * K can exceed 2**31
@@ -68,18 +67,23 @@ def nm24_decode_kernel(
     v_rows = values_ptr + rows * stride_vn
     m_rows = meta_ptr + rows * stride_mn
     USE_DESC: tl.constexpr = X_DESC and HAS_DESC  # configs may want a descriptor that is not there
-    if not USE_DESC:
-        x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         # ---- this step's tokens [BLOCK_T, BLOCK_K] and expanded weight tile [BLOCK_N, BLOCK_K]
-        if USE_DESC:
-            x_tile = x_desc.load([pid_t * BLOCK_T, k0])  # zero-filled outside [T, K]
-        elif EVEN_K:
-            x_tile = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
-        else:
-            x_tile = tl.load(x_ptrs, mask=mask_t[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+        x_tile = load_x_tile(
+            x_ptr,
+            x_desc,
+            pid_t * BLOCK_T,
+            k0,
+            num_tokens,
+            in_features,
+            stride_xt,
+            USE_DESC,
+            EVEN_K,
+            BLOCK_T,
+            BLOCK_K,
+        )
         w = load_weight_tile(
             v_rows, m_rows, mask_n, k0, in_features, out_ptr.dtype.element_ty, WORDS, EVEN_K, BLOCK_N, BLOCK_K
         )
@@ -88,8 +92,6 @@ def nm24_decode_kernel(
             x_tile = x_tile.to(tl.float32)
         # ---- acc[n, t] += sum_k w[n, k] * x[t, k]
         acc = tl.dot(w, tl.trans(x_tile), acc, input_precision=INPUT_PRECISION)
-        if not USE_DESC:
-            x_ptrs += BLOCK_K
 
     # ---- epilogue: bias, cast, store out[t, n] = acc[n, t]
     if HAS_BIAS:
@@ -113,7 +115,6 @@ def _decode_configs() -> list[triton.Config]:
         (32, 128, 1, 4),
         (32, 256, 2, 3),
         (64, 128, 4, 3),
-        (64, 256, 4, 3),
         (128, 128, 4, 3),
     ]
     return [

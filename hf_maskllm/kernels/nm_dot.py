@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .expand import INTERPRET, load_weight_tile
-from .tma import descriptor_or_pointer_configs, set_x_block
+from .tma import descriptor_or_pointer_configs, load_x_tile, set_x_block
 
 __all__ = ["candidate_configs", "nm24_dot", "nm24_dot_kernel"]
 
@@ -67,7 +67,6 @@ def nm24_dot_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < num_tokens
     mask_n = offs_n < out_features
     # int64 row offsets: T * K and N * K/2 can exceed 2**31
@@ -75,18 +74,23 @@ def nm24_dot_kernel(
     v_rows = values_ptr + rows * stride_vn
     m_rows = meta_ptr + rows * stride_mn
     USE_DESC: tl.constexpr = X_DESC and HAS_DESC  # configs may want a descriptor that is not there
-    if not USE_DESC:
-        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         # ---- activations [BLOCK_M, BLOCK_K] and expanded weight tile [BLOCK_N, BLOCK_K]
-        if USE_DESC:
-            x_tile = x_desc.load([pid_m * BLOCK_M, k0])  # zero-filled outside [T, K]
-        elif EVEN_K:
-            x_tile = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + k0 < in_features), other=0.0)
+        x_tile = load_x_tile(
+            x_ptr,
+            x_desc,
+            pid_m * BLOCK_M,
+            k0,
+            num_tokens,
+            in_features,
+            stride_xt,
+            USE_DESC,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_K,
+        )
         w = load_weight_tile(
             v_rows, m_rows, mask_n, k0, in_features, out_ptr.dtype.element_ty, WORDS, EVEN_K, BLOCK_N, BLOCK_K
         )
@@ -95,8 +99,6 @@ def nm24_dot_kernel(
             w = w.to(tl.float32)
         # ---- acc += x @ w.T
         acc = tl.dot(x_tile, tl.trans(w), acc, input_precision=INPUT_PRECISION)
-        if not USE_DESC:
-            x_ptrs += BLOCK_K
 
     # ---- epilogue: bias, cast, store
     if HAS_BIAS:

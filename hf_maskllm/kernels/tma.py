@@ -14,12 +14,19 @@ when there is none (rows not 16-byte aligned, pre-Hopper GPUs).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["descriptor_or_pointer_configs", "set_x_block", "x_descriptor"]
+__all__ = ["descriptor_or_pointer_configs", "load_x_tile", "set_x_block", "x_descriptor"]
+
+
+@functools.cache
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def x_descriptor(x2d: torch.Tensor):
@@ -27,7 +34,7 @@ def x_descriptor(x2d: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter emulates TMA
-    if not interpret and not (x2d.is_cuda and torch.cuda.get_device_capability(x2d.device)[0] >= 9):
+    if not interpret and not (x2d.is_cuda and _hopper_or_newer(x2d.get_device())):
         return None
     row_bytes = x2d.stride(0) * x2d.element_size()
     # rows laid out one after another (a broadcast [1, K] view has stride 0), 16-byte aligned
@@ -62,3 +69,29 @@ def descriptor_or_pointer_configs(configs: list[triton.Config], has_desc: bool) 
             )
         out.append(c)
     return out
+
+
+@triton.jit
+def load_x_tile(
+    x_ptr,
+    x_desc,
+    row0,
+    k0,
+    num_rows,
+    in_features,
+    stride_xt,
+    USE_DESC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows ``[row0, row0 + ROWS)``, columns ``[k0, k0 + BLOCK_K)`` of ``x`` (zeros outside ``[T, K]``):
+    through the TMA descriptor when ``USE_DESC``, else with masked pointer loads."""
+    if USE_DESC:
+        return x_desc.load([row0, k0])
+    offs_r = row0 + tl.arange(0, ROWS)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = x_ptr + offs_r.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # int64: T * K can exceed 2**31
+    if EVEN_K:
+        return tl.load(ptrs, mask=(offs_r < num_rows)[:, None], other=0.0)
+    return tl.load(ptrs, mask=(offs_r < num_rows)[:, None] & (offs_k < in_features)[None, :], other=0.0)
