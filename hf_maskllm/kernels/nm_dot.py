@@ -6,7 +6,7 @@ decode kernel) and feeds the dense tensor cores: ``acc[M, N] += x[M, K] @ w[N, K
 At best it matches dense cuBLAS (the work is dense); what it saves is the weight bytes read, and
 the expansion must stay under the tile's tensor-core time (``benchmarks/kernel_sass.py``).
 
-On Hopper the activations come through a TMA descriptor (:mod:`.tma`): that halves the loop's
+On Hopper the activations come through a TMA descriptor (:mod:`.tma`): that cuts the loop's
 instructions, and only then can 128-256-token tiles hide the expansion under the MMAs. Without one
 ``x`` is read with pointers and tiles above 128 x 128 are left out (they spill).
 """

@@ -2,9 +2,9 @@
 
 With a descriptor the copy engine writes the ``x`` tile into shared memory in the MMA's layout and
 zero-fills what lies outside ``[T, K]``: the kernel's loop issues no address arithmetic, masks or
-shared-memory stores for ``x``. Counted on sm_90a SASS (``benchmarks/kernel_sass.py``) that halves
-the ``tl.dot`` kernel's loop and takes a fifth off the ``mma.sync`` decode configs; for the decode
-configs on ``wgmma`` it changes nothing, so those keep pointers.
+shared-memory stores for ``x``. Counted on sm_90a SASS (``benchmarks/kernel_sass.py``) that takes
+about a third off the ``tl.dot`` kernel's loop (128 x 128 tiles; bigger ones only fit with TMA) and
+13-25% off the ``mma.sync`` decode configs; the decode configs on ``wgmma`` keep pointers.
 
 Each kernel takes both ``x_ptr`` and ``x_desc`` and a per-config ``X_DESC``; the launcher passes
 ``HAS_DESC`` (whether ``x_desc`` is a real descriptor, part of the autotune key) and
