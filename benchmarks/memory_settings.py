@@ -30,21 +30,23 @@ from hf_maskllm.optim import training_state_bytes
 from hf_maskllm.perplexity import evaluate_perplexity
 
 BETAS = (0.9, 0.95)
+GROUP = {"second_moment": "group"}
 SETTINGS = {
     "fp32-adamw": ("float32 logits, torch AdamW (the reference)", "float32", torch.optim.AdamW, {}),
-    "fp32-maskadamw": ("float32 logits, MaskAdamW", "float32", MaskAdamW, {}),
+    "fp32-maskadamw-group": ("float32 logits, MaskAdamW, per-group second moment", "float32", MaskAdamW, GROUP),
     "fp32-adamw-nomomentum": (
         "float32 logits, torch AdamW without momentum (beta1 = 0)",
         "float32",
         torch.optim.AdamW,
         {"betas": (0.0, BETAS[1])},
     ),
-    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (default)", "bfloat16", MaskAdamW, {}),
-    "bf16-maskadamw-m": (
-        "bfloat16 logits, MaskAdamW + bf16 momentum",
+    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (per-logit bf16 second moment)", "bfloat16", MaskAdamW, {}),
+    "bf16-maskadamw-group": ("bfloat16 logits, MaskAdamW, per-group second moment", "bfloat16", MaskAdamW, GROUP),
+    "bf16-maskadamw-group-m": (
+        "bfloat16 logits, MaskAdamW, per-group second moment + bf16 momentum",
         "bfloat16",
         MaskAdamW,
-        {"momentum_dtype": torch.bfloat16},
+        {"momentum_dtype": torch.bfloat16, **GROUP},
     ),
     "bf16-adamw": (
         "bfloat16 logits, torch AdamW (no stochastic rounding)",
@@ -76,6 +78,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0, help="data order and Gumbel noise of every setting")
     p.add_argument("--calib-samples", type=int, default=32)
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--prior-dir", help="a saved SparseGPT prior mask folder to reuse (else computed and saved)")
@@ -109,6 +112,7 @@ def main() -> None:
             disable_tqdm=True,
             callbacks=[probe],
             optimizer_cls_and_kwargs=(optimizer_cls, {"lr": args.lr, "betas": BETAS, **extra}),
+            seed=args.seed,
         )
         seconds = time.perf_counter() - start
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
@@ -140,7 +144,7 @@ def main() -> None:
     tokens = args.steps * args.batch_size * args.seqlen
     lines = [
         f"SmolLM2-135M-Instruct, 2:4, SparseGPT prior; {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"tokens ({tokens:,}), lr {args.lr}, betas {BETAS}, weight decay 0.1; held-out {args.eval_windows} x 512 "
+        f"tokens ({tokens:,}), lr {args.lr}, betas {BETAS}, weight decay 0.1, seed {args.seed}; held-out {args.eval_windows} x 512 "
         f"tokens per corpus; {torch.get_num_threads()} CPU threads",
         "",
         "| setting | logits | grads | optimizer | bytes / masked weight | Wikipedia | news | vs fp32 (wiki / news) |",

@@ -1,23 +1,29 @@
-"""``MaskAdamW``: the optimizer for mask logits, at 1 byte of state per masked weight.
+"""``MaskAdamW``: AdamW for mask logits in 16 bits, with stochastic rounding and no first moment.
 
-AdamW keeps two float32 states per logit: with fp32 logits and grads that is 24 bytes of training
-state per masked 2:4 weight (1.5 logits per weight). ``MaskAdamW`` keeps, per group of m weights,
-one float32 second moment (the mean over the group's C logits: every logit of a group shares one
-softmax, so their gradient scales match; Adafactor's row factor, without a column factor), and by
-default no first moment. With 16-bit logits it rounds every update *stochastically* (unbiased),
-so steps far below the logits' 16-bit resolution still add up; AdamW with round-to-nearest would
-silently drop them. Bytes per masked 2:4 weight (logits + grads + state):
+``torch.optim.AdamW`` on fp32 logits keeps two float32 states per logit: 24 bytes of training state
+per masked 2:4 weight (1.5 logits per weight, with the logits and their gradients). ``MaskAdamW``
+keeps the logits in bf16, rounds every update *stochastically* (unbiased, so steps far below bf16's
+resolution still add up; AdamW with round-to-nearest silently drops them), keeps by default no first
+moment, and its second moment either
 
-=================================  ======  =====  =====  =====
-setting                            logits  grads  state  total
-=================================  ======  =====  =====  =====
-fp32 logits, ``torch.optim.AdamW``  6       6      12     24
-bf16 logits, ``MaskAdamW`` bf16 m   3       3      3 + 1  10
-bf16 logits, ``MaskAdamW`` (dflt)   3       3      1      7
-=================================  ======  =====  =====  =====
+- per logit (``second_moment="logit"``, the default): AdamW's rule, stored in bf16 (stochastically
+  rounded), so every candidate of a group moves at its own pace, or
+- per group of m weights (``"group"``): one float32 mean over the group's C logits (Adafactor's row
+  factor), 2 bytes less per weight, but a group's unlikely candidates, whose gradients the softmax
+  scales down, then take proportionally smaller steps and the learned mask is measurably worse.
 
-Measured quality of each setting: docs/training.md ("Memory"). The update runs as one fused
-``torch.compile`` kernel per parameter when a compiler is available.
+Bytes per masked 2:4 weight (logits + grads + state):
+
+=======================================  ======  =====  =====  =====
+setting                                  logits  grads  state  total
+=======================================  ======  =====  =====  =====
+fp32 logits, ``torch.optim.AdamW``        6       6      12     24
+bf16 logits, ``MaskAdamW()`` (default)    3       3      3      9
+bf16 logits, ``second_moment="group"``    3       3      1      7
+=======================================  ======  =====  =====  =====
+
+Measured quality of each setting: docs/scale.md. The update runs as one fused ``torch.compile``
+kernel per parameter when a compiler is available.
 """
 
 from __future__ import annotations
@@ -56,8 +62,11 @@ def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor) -
     return bits.view(torch.float32).to(dtype)
 
 
-def _update(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
-    """One MaskAdamW step of a ``[G, C]`` parameter; returns the new ``(p, v, m)`` (m may be None)."""
+def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
+    """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
+
+    Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
+    """
     c = p.shape[1]
     g = [grad[:, j].float() for j in range(c)]
     mean_sq = g[0].square()
@@ -72,15 +81,47 @@ def _update(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
         direction = g
     decay = 1.0 - lr * weight_decay
     new = [p[:, j].float() * decay - lr * direction[j] / denom for j in range(c)]
-    # Candidate-major [C, G] stacking: contiguous stores vectorise. Transposed back by the caller.
-    new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seed)
+    # Candidate-major [C, G] stacking: contiguous stores vectorise; returned as [G, C] views.
+    new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seed).view(c, -1).t()
     new_m = None
     if m is not None:
-        new_m = _stochastic_round(torch.stack(m_new, dim=0).view(-1), m.dtype, seed ^ 0x5BD1E995)
+        new_m = _stochastic_round(torch.stack(m_new, dim=0).view(-1), m.dtype, seed ^ _M_SEED).view(c, -1).t()
     return new_p, v, new_m
 
 
+def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
+    """One step of a ``[G, C]`` parameter with a per-logit second moment ``v [G, C]`` (AdamW's rule).
+
+    Every state is rounded stochastically to its own dtype. Returns the new ``(p, v, m)``.
+    """
+    g = grad.float()
+    v_new = beta2 * v.float() + (1.0 - beta2) * g.square()
+    denom = torch.sqrt(v_new / (1.0 - beta2**step)) + eps
+    if m is not None:
+        m_new = beta1 * m.float() + (1.0 - beta1) * g
+        direction = m_new / (1.0 - beta1**step)
+    else:
+        direction = g
+    new = p.float() * (1.0 - lr * weight_decay) - lr * direction / denom
+    new_p = _stochastic_round(new.view(-1), p.dtype, seed).view(p.shape)
+    new_v = _stochastic_round(v_new.view(-1), v.dtype, seed ^ _V_SEED).view(p.shape)
+    new_m = None
+    if m is not None:
+        new_m = _stochastic_round(m_new.view(-1), m.dtype, seed ^ _M_SEED).view(p.shape)
+    return new_p, new_v, new_m
+
+
+_M_SEED, _V_SEED = 0x5BD1E995, 0x27D4EB2F  # the states' rounding streams, apart from the logits'
+_UPDATES = {"group": _update_group, "logit": _update_logit}
+
+
 _COMPILED: dict[str, Any] = {}
+
+
+def second_moment_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The per-logit second moment's dtype: float32 for float32 logits, else bfloat16 (float32's
+    range: squared gradients below float16's 6e-8 would flush to zero)."""
+    return torch.float32 if logits_dtype == torch.float32 else torch.bfloat16
 
 
 def compiler_available(device: torch.device | str | None = None) -> bool:
@@ -93,7 +134,8 @@ def compiler_available(device: torch.device | str | None = None) -> bool:
 
 
 class MaskAdamW(torch.optim.Optimizer):
-    """AdamW for ``[G, C]`` mask logits with a per-group second moment and stochastic rounding.
+    """AdamW for ``[G, C]`` mask logits: stochastic rounding, optional first moment, second moment per
+    logit or per group.
 
     Args:
         params: The logits (``MaskModel.parameters()`` or the Trainer's parameter groups). Any
@@ -104,6 +146,8 @@ class MaskAdamW(torch.optim.Optimizer):
         weight_decay: Decoupled weight decay (the reference applies 0.1 to the logits).
         momentum_dtype: ``None`` (default: no first moment, 0 bytes), ``torch.bfloat16`` (2 bytes
             per logit, stochastically rounded) or ``torch.float32``.
+        second_moment: ``"logit"`` (default; bf16 for 16-bit logits, float32 for float32 logits) or
+            ``"group"`` (one float32 per group: 2 bytes less per masked weight, worse masks).
         compile: Fuse each update with ``torch.compile``; default: when a C++ compiler or CUDA is there.
     """
 
@@ -115,6 +159,7 @@ class MaskAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.1,
         momentum_dtype: torch.dtype | None = None,
+        second_moment: str = "logit",
         compile: bool | None = None,
         seed: int = 0,
     ) -> None:
@@ -128,18 +173,31 @@ class MaskAdamW(torch.optim.Optimizer):
             raise ConfigError(
                 f"MaskAdamW: momentum_dtype must be None, torch.bfloat16 or torch.float32, got {momentum_dtype}."
             )
+        if second_moment not in _UPDATES:
+            raise ConfigError(f"MaskAdamW: second_moment must be 'logit' or 'group', got {second_moment!r}.")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.momentum_dtype = momentum_dtype
+        self.second_moment = second_moment
         self.compile = compiler_available() if compile is None else bool(compile)
         self.seed = int(seed)
 
     def _fn(self) -> Callable:
+        update = _UPDATES[self.second_moment]
         if not self.compile:
-            return _update
-        if "update" not in _COMPILED:
-            _COMPILED["update"] = torch.compile(_update, options={"cpp.enable_tiling_heuristics": False})
-        return _COMPILED["update"]
+            return update
+        if self.second_moment not in _COMPILED:
+            options = {"cpp.enable_tiling_heuristics": False}
+            _COMPILED[self.second_moment] = torch.compile(update, options=options)
+        return _COMPILED[self.second_moment]
+
+    def _new_second_moment(self, rows: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Zeros: ``[G]`` float32 per group (sharded like ``p``), or per logit like ``p`` in
+        :func:`second_moment_dtype`."""
+        if self.second_moment == "group":
+            v = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
+            return _shard_like(v, p)  # sharded like p: checkpoints gather it whole
+        return torch.zeros_like(p, dtype=second_moment_dtype(p.dtype))
 
     def _rounding_seed(self, step: int, index: int, row_offset: int, device: torch.device) -> torch.Tensor:
         """The stochastic-rounding seed of one parameter at one step: the same on every process.
@@ -171,14 +229,13 @@ class MaskAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    v = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
-                    state["exp_avg_sq"] = _shard_like(v, p)  # sharded like p: checkpoints gather it whole
+                    state["exp_avg_sq"] = self._new_second_moment(rows, p)
                     if self.momentum_dtype is not None:
                         state["exp_avg"] = torch.zeros_like(p, dtype=self.momentum_dtype)
                 state["step"] += 1
                 step = int(state["step"])
-                m = _local(state["exp_avg"]) if "exp_avg" in state else None
-                v = _local(state["exp_avg_sq"])
+                m = local_shard(state["exp_avg"]) if "exp_avg" in state else None
+                v = local_shard(state["exp_avg_sq"])
                 if self.compile:  # one kernel for every group count
                     for t in (rows, grad, v) + ((m,) if m is not None else ()):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -186,10 +243,10 @@ class MaskAdamW(torch.optim.Optimizer):
                     rows, grad, v, m, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                     float(step), self._rounding_seed(step, index, row_offset, rows.device),
                 )  # fmt: skip
-                rows.copy_(new_p.view(rows.shape[1], rows.shape[0]).t())
+                rows.copy_(new_p)
                 v.copy_(new_v)
                 if m is not None:
-                    m.copy_(new_m.view(rows.shape[1], rows.shape[0]).t())
+                    m.copy_(new_m)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -204,7 +261,15 @@ class MaskAdamW(torch.optim.Optimizer):
             if not state:
                 continue
             device = state["exp_avg_sq"].device
-            state["exp_avg_sq"] = saved[i]["exp_avg_sq"].to(device=device, dtype=torch.float32, copy=True)
+            v = saved[i]["exp_avg_sq"]
+            kind = "group" if v.dim() == 1 else "logit"
+            if kind != self.second_moment:
+                raise ConfigError(
+                    f"This optimizer state has a per-{kind} second moment but MaskAdamW was built with "
+                    f"second_moment={self.second_moment!r}: build it with second_moment={kind!r}, as the saved run."
+                )
+            v_dtype = torch.float32 if kind == "group" else second_moment_dtype(p.dtype)
+            state["exp_avg_sq"] = v.to(device=device, dtype=v_dtype, copy=True)
             if "exp_avg" in state:
                 if self.momentum_dtype is None:
                     raise ConfigError(
@@ -219,7 +284,7 @@ class MaskAdamW(torch.optim.Optimizer):
                 )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This process's part of ``t``: the local shard of a ``DTensor`` (FSDP2), else ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -264,7 +329,7 @@ def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """
 
     def nbytes(t: torch.Tensor) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_shard(t)
         return local.numel() * local.element_size()
 
     params = [p for p in model.parameters() if p.requires_grad]

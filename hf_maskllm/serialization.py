@@ -46,6 +46,7 @@ __all__ = [
     "resolve_folder",
     "save_json",
     "save_safetensors",
+    "stored_checksums",
     "tensor_checksums",
     "verify_safetensors",
 ]
@@ -359,6 +360,27 @@ def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
+def stored_checksums(
+    metadata: dict[str, str],
+    checksum_key: str,
+    path: str | os.PathLike,
+    error: type[MaskLLMError] = MaskLLMError,
+    what: str = "safetensors file",
+) -> dict[str, Any]:
+    """The ``{tensor name: CRC-32}`` JSON a writer stored in safetensors metadata under ``checksum_key``;
+    ``error`` if it is missing or not a JSON object."""
+    try:
+        expected = json.loads(metadata[checksum_key])
+        if not isinstance(expected, dict):
+            raise TypeError
+    except (KeyError, TypeError, ValueError):
+        raise error(
+            f"{what} {path} has no valid `{checksum_key}` checksums in its metadata: it is corrupt or was not "
+            "written by hf_maskllm. Save it again with hf_maskllm."
+        ) from None
+    return expected
+
+
 def verify_safetensors(
     path: str | os.PathLike,
     checksum_key: str,
@@ -396,15 +418,7 @@ def verify_safetensors(
         raise error(
             f"{what} {path} is corrupt or truncated ({type(e).__name__}: {e}); save or download it again."
         ) from None
-    try:
-        expected = json.loads(metadata[checksum_key])
-        if not isinstance(expected, dict):
-            raise TypeError
-    except (KeyError, TypeError, ValueError):
-        raise error(
-            f"{what} {path} has no valid `{checksum_key}` checksums in its metadata: it is corrupt or was not "
-            "written by hf_maskllm. Save it again with hf_maskllm."
-        ) from None
+    expected = stored_checksums(metadata, checksum_key, path, error, what)
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing or extra:
         raise error(

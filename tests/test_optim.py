@@ -16,17 +16,19 @@ from hf_maskllm.learn import learn_mask
 from hf_maskllm.optim import training_state_bytes
 
 
-def _reference_steps(p0, grads, lr, betas, eps, wd, momentum):
-    """The update rule in float64: per-row second moment of the mean squared gradient, optional momentum."""
+def _reference_steps(p0, grads, lr, betas, eps, wd, momentum, second_moment="logit"):
+    """The update rule in float64: second moment per logit (AdamW's) or per row (the mean squared
+    gradient of a group), optional momentum."""
+    per_row = second_moment == "group"
     p, v, m = (
         p0.double().clone(),
-        torch.zeros(p0.shape[0], dtype=torch.float64),
+        torch.zeros(p0.shape[0], 1, dtype=torch.float64) if per_row else torch.zeros_like(p0, dtype=torch.float64),
         torch.zeros_like(p0, dtype=torch.float64),
     )
     for step, g in enumerate(grads, start=1):
         g = g.double()
-        v = betas[1] * v + (1 - betas[1]) * g.square().mean(-1)
-        denom = (v / (1 - betas[1] ** step)).sqrt()[:, None] + eps
+        v = betas[1] * v + (1 - betas[1]) * (g.square().mean(-1, keepdim=True) if per_row else g.square())
+        denom = (v / (1 - betas[1] ** step)).sqrt() + eps
         if momentum:
             m = betas[0] * m + (1 - betas[0]) * g
             direction = m / (1 - betas[0] ** step)
@@ -38,10 +40,12 @@ def _reference_steps(p0, grads, lr, betas, eps, wd, momentum):
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("momentum_dtype", [None, torch.float32])
-def test_update_matches_float64_reference(compile, momentum_dtype):
+@pytest.mark.parametrize("second_moment", ["logit", "group"])
+def test_update_matches_float64_reference(compile, momentum_dtype, second_moment):
     torch.manual_seed(0)
     p0 = torch.randn(257, 6) * 0.05
-    grads = [torch.randn(257, 6) * 10 ** (-k) for k in range(4)]  # scale changes: v must adapt per row
+    column_scale = torch.logspace(0, -3, 6)  # a group's logits get gradients of different scales
+    grads = [torch.randn(257, 6) * column_scale * 10 ** (-k) for k in range(4)]  # and v must follow in time
     p = torch.nn.Parameter(p0.clone())
     opt = MaskAdamW(
         [p],
@@ -50,14 +54,49 @@ def test_update_matches_float64_reference(compile, momentum_dtype):
         eps=1e-8,
         weight_decay=0.1,
         momentum_dtype=momentum_dtype,
+        second_moment=second_moment,
         compile=compile,
     )
     for g in grads:
         p.grad = g.clone()
         opt.step()
-    ref = _reference_steps(p0, grads, 1e-2, (0.9, 0.95), 1e-8, 0.1, momentum_dtype is not None)
+    ref = _reference_steps(p0, grads, 1e-2, (0.9, 0.95), 1e-8, 0.1, momentum_dtype is not None, second_moment)
     torch.testing.assert_close(p.double(), ref, rtol=1e-5, atol=1e-7)
-    assert opt.state[p]["exp_avg_sq"].shape == (257,)
+    state = opt.state[p]["exp_avg_sq"]
+    assert (state.shape, state.dtype) == (((257, 6), torch.float32) if second_moment == "logit" else ((257,), torch.float32))
+
+
+def test_per_logit_second_moment_moves_small_gradient_logits_as_far_as_large_ones():
+    """Why the default is per logit: a group's unlikely candidates get tiny gradients (their softmax
+    probability scales them); one shared second moment shrinks their steps by the same factor."""
+    grads = torch.tensor([[1.0, 1.0, 1e-3, 1e-3, 1e-3, 1e-3]]).repeat(64, 1)
+    moved = {}
+    for mode in ("logit", "group"):
+        p = torch.nn.Parameter(torch.zeros(64, 6))
+        opt = MaskAdamW([p], lr=1e-2, weight_decay=0.0, second_moment=mode, compile=False)
+        for _ in range(10):
+            p.grad = grads.clone()
+            opt.step()
+        moved[mode] = -p.detach()[0]
+    torch.testing.assert_close(moved["logit"], torch.full((6,), 0.1), rtol=1e-4, atol=0)  # lr per step each
+    assert moved["group"][2] < 1e-3 * moved["group"][0] * 1.01  # 1000x less for the small-gradient logits
+
+
+def test_bf16_per_logit_second_moment_is_bf16_and_unbiased():
+    torch.manual_seed(0)
+    p0 = torch.randn(4096, 6) * 0.05
+    grads = [torch.randn(4096, 6) * torch.logspace(0, -2, 6) for _ in range(5)]
+    p = torch.nn.Parameter(p0.to(torch.bfloat16))
+    opt = MaskAdamW([p], lr=1e-2, weight_decay=0.0, compile=False)
+    for g in grads:
+        p.grad = g.to(torch.bfloat16)
+        opt.step()
+    assert opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16  # 2 bytes per logit
+    ref = _reference_steps(p0.to(torch.bfloat16).float(), [g.to(torch.bfloat16) for g in grads], 1e-2,
+                           (0.9, 0.95), 1e-8, 0.0, False)  # fmt: skip
+    error = p.double() - ref
+    assert error.abs().max() < 3e-3  # a few bf16 steps of the logits and of v
+    assert error.mean().abs() < 3e-5  # and unbiased
 
 
 def test_bf16_stochastic_rounding_keeps_updates_that_round_to_nearest_loses():
@@ -98,6 +137,7 @@ def test_bf16_momentum_is_rounded_stochastically_too():
         ({"lr": -1.0}, "lr"),
         ({"betas": (1.0, 0.9)}, "betas"),
         ({"momentum_dtype": torch.int8}, "momentum_dtype"),
+        ({"second_moment": "row"}, "second_moment"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):
@@ -118,10 +158,13 @@ def _bytes_per_masked_weight(logits_dtype: str, optimizer_cls, optimizer_kwargs)
 
 
 def test_training_state_bytes_per_masked_weight():
-    """Default (bf16 logits + MaskAdamW) 7 bytes; reference (fp32 + AdamW) 24; bf16 momentum 10."""
-    assert _bytes_per_masked_weight("bfloat16", MaskAdamW, {"compile": False}) == pytest.approx(7.0, abs=1e-2)
+    """Default (bf16 logits + MaskAdamW) 9 bytes; per-group second moment 7; reference (fp32 + AdamW)
+    24; per-group + bf16 momentum 10."""
+    assert _bytes_per_masked_weight("bfloat16", MaskAdamW, {"compile": False}) == pytest.approx(9.0, abs=1e-2)
+    group = {"compile": False, "second_moment": "group"}
+    assert _bytes_per_masked_weight("bfloat16", MaskAdamW, group) == pytest.approx(7.0, abs=1e-2)
     assert _bytes_per_masked_weight("float32", torch.optim.AdamW, {}) == pytest.approx(24.0, abs=1e-2)
-    momentum = {"compile": False, "momentum_dtype": torch.bfloat16}
+    momentum = {**group, "momentum_dtype": torch.bfloat16}
     assert _bytes_per_masked_weight("bfloat16", MaskAdamW, momentum) == pytest.approx(10.0, abs=1e-2)
     assert MaskConfig().logits_dtype == "bfloat16"
 
@@ -166,34 +209,39 @@ def test_replicas_round_identically_whatever_their_rng_state():
     assert not torch.equal(replicas[0], p0)
 
 
-def test_state_dict_round_trip_keeps_dtypes_and_continues_exactly():
+@pytest.mark.parametrize(("second_moment", "v_dtype"), [("group", torch.float32), ("logit", torch.bfloat16)])
+def test_state_dict_round_trip_keeps_dtypes_and_continues_exactly(second_moment, v_dtype):
     """torch's load_state_dict casts states to the parameter dtype (bf16); MaskAdamW keeps its own."""
     torch.manual_seed(0)
     p0 = (torch.randn(300, 6) * 0.05).to(torch.bfloat16)
     grads = [torch.randn(300, 6).to(torch.bfloat16) for _ in range(4)]
+    kwargs = {"lr": 1e-3, "compile": False, "momentum_dtype": torch.bfloat16, "second_moment": second_moment}
 
     def run(resume_after: int | None) -> torch.Tensor:
         p = torch.nn.Parameter(p0.clone())
-        opt = MaskAdamW([p], lr=1e-3, compile=False, momentum_dtype=torch.bfloat16)
+        opt = MaskAdamW([p], **kwargs)
         for i, g in enumerate(grads):
             if i == resume_after:
                 saved = opt.state_dict()
                 p = torch.nn.Parameter(p.detach().clone())
-                opt = MaskAdamW([p], lr=1e-3, compile=False, momentum_dtype=torch.bfloat16)
+                opt = MaskAdamW([p], **kwargs)
                 opt.load_state_dict(saved)
                 state = opt.state[p]
-                assert state["exp_avg_sq"].dtype == torch.float32 and state["exp_avg"].dtype == torch.bfloat16
+                assert state["exp_avg_sq"].dtype == v_dtype and state["exp_avg"].dtype == torch.bfloat16
             p.grad = g.clone()
             opt.step()
         return p.detach()
 
     assert torch.equal(run(None), run(2))
     p = torch.nn.Parameter(p0.clone())
-    with_momentum = MaskAdamW([p], compile=False, momentum_dtype=torch.bfloat16)
+    with_momentum = MaskAdamW([p], **kwargs)
     p.grad = grads[0].clone()
     with_momentum.step()
     with pytest.raises(ConfigError, match="momentum_dtype"):
-        MaskAdamW([p], compile=False).load_state_dict(with_momentum.state_dict())
+        MaskAdamW([p], compile=False, second_moment=second_moment).load_state_dict(with_momentum.state_dict())
+    other = "group" if second_moment == "logit" else "logit"
+    with pytest.raises(ConfigError, match=f"second_moment='{second_moment}'"):
+        MaskAdamW([p], **{**kwargs, "second_moment": other}).load_state_dict(with_momentum.state_dict())
 
 
 def test_flattened_parameters_are_refused_clearly():

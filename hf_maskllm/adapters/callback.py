@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import MaskLLMError
-from ..optim import MaskAdamW, compiler_available
+from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
 from .model import MaskModel
 from .sampling import max_probability
@@ -52,11 +52,6 @@ def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
             "docs/scale.md has the measured quality of each setting.",
             stacklevel=2,
         )
-
-
-def _local(logits: torch.Tensor) -> torch.Tensor:
-    """This process's rows of the logits: the local shard under FSDP2 (a ``DTensor``), else the logits."""
-    return logits.to_local() if isinstance(logits, DTensor) else logits
 
 
 def _sum_over_shards(stats: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -135,7 +130,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
             self._previous = {
-                k: _local(layer.mask_logits).argmax(dim=-1) for k, layer in mask_model.masked_layers().items()
+                k: local_shard(layer.mask_logits).argmax(dim=-1) for k, layer in mask_model.masked_layers().items()
             }
         _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
@@ -159,7 +154,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         # Under FSDP2 each process sees its own rows of every layer's logits: sums over them, then over processes.
         sharded = None
         for name, layer in mask_model.masked_layers().items():
-            logits = _local(layer.mask_logits)
+            logits = local_shard(layer.mask_logits)
             if logits is not layer.mask_logits:
                 sharded = layer.mask_logits
             current = logits.argmax(dim=-1)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import MaskFileError, NMViolationError
-from ..serialization import load_safetensors, save_safetensors
+from ..serialization import load_safetensors, save_safetensors, stored_checksums
 from .config import CONFIG_NAME, FORMAT_VERSION, MaskConfig
 from .packing import pack_indices, unpack_indices
 
@@ -94,19 +94,6 @@ def _crc32(tensor: torch.Tensor) -> int:
     return zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
-def _checksums(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
-    try:
-        checksums = json.loads(metadata["crc32"])
-        if not isinstance(checksums, dict):
-            raise TypeError
-    except (KeyError, TypeError, ValueError):
-        raise MaskFileError(
-            f"{path} has no valid `crc32` metadata; the file is corrupt or not written by hf_maskllm. "
-            "Save the mask again."
-        ) from None
-    return checksums
-
-
 def load_mask_config(folder: Path) -> MaskConfig:
     """``MaskConfig.from_pretrained(folder)`` for a local mask folder; every error names a fix."""
     try:
@@ -169,7 +156,7 @@ def read_masks(
             f"{path} holds tensors that are not part of a saved mask: {unknown[:3]}; the file is corrupt or was "
             "edited. Save the mask again."
         )
-    checksums = _checksums(path, metadata)
+    checksums = stored_checksums(metadata, "crc32", path, MaskFileError, "Mask file")
     summary_json = metadata.get("summary", "{}")
     if metadata.get("summary_crc32") != str(zlib.crc32(summary_json.encode())):
         raise MaskFileError(
@@ -229,7 +216,7 @@ def read_logits(path: Path, shapes: dict[str, tuple[int, int]]) -> dict[str, tor
             f"{path} is not an hf_maskllm logits file (metadata format={metadata.get('format')!r}); "
             f"delete it to load the hard masks alone, or save the mask again with save_logits=True."
         )
-    checksums = _checksums(path, metadata)
+    checksums = stored_checksums(metadata, "crc32", path, MaskFileError, "Mask file")
     extra = sorted(set(tensors) - {f"{name}.logits" for name in shapes})
     if extra:
         raise MaskFileError(
