@@ -40,7 +40,13 @@ SETTINGS = {
         torch.optim.AdamW,
         {"betas": (0.0, BETAS[1])},
     ),
-    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (per-logit bf16 second moment)", "bfloat16", MaskAdamW, {}),
+    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (per-logit 8-bit second moment)", "bfloat16", MaskAdamW, {}),
+    "bf16-maskadamw-v16": (
+        "bfloat16 logits, MaskAdamW, per-logit bf16 second moment",
+        "bfloat16",
+        MaskAdamW,
+        {"second_moment_bits": 16},
+    ),
     "bf16-maskadamw-group": ("bfloat16 logits, MaskAdamW, per-group second moment", "bfloat16", MaskAdamW, GROUP),
     "bf16-maskadamw-group-m": (
         "bfloat16 logits, MaskAdamW, per-group second moment + bf16 momentum",

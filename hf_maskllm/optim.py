@@ -62,7 +62,30 @@ def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor) -
     return bits.view(torch.float32).to(dtype)
 
 
-def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
+# The per-logit second moment in 8 bits: an unsigned float, 6 exponent bits and 2 mantissa bits (float8
+# e5m2 with the sign bit as a sixth exponent bit), spanning 2**-58 .. 1.75 * 2**5. Squared gradients
+# below 2**-58 are stored as 2**-58: their root (2e-9) is below AdamW's eps anyway; above the top (|g|
+# > 5.7 for long, never after clipping at 1.0) the step grows by at most the excess's root.
+V8_MIN_EXP = -58
+_V8_BIAS = 127 + V8_MIN_EXP  # float32's biased exponent of code exponent 0
+
+
+def _encode_v8(v: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """``v`` (float32 >= 0, 1-D) to 8-bit codes, rounded up or down with probability by distance."""
+    noise = hash_bits(seed, v.shape[0], 1, v.device).view(-1) & ((1 << 21) - 1)
+    bits = v.view(torch.int32) + noise
+    exponent = (bits >> 23) - _V8_BIAS
+    code = (exponent << 2) | ((bits >> 21) & 3)
+    return torch.where(exponent < 0, 0, code).clamp(max=255).to(torch.uint8)
+
+
+def _decode_v8(code: torch.Tensor) -> torch.Tensor:
+    """8-bit codes to float32 (exact: every code is a float32)."""
+    c = code.to(torch.int32)
+    return ((((c >> 2) + _V8_BIAS) << 23) | ((c & 3) << 21)).view(torch.float32)
+
+
+def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seeds):
     """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
 
     Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
@@ -82,20 +105,22 @@ def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed
     decay = 1.0 - lr * weight_decay
     new = [p[:, j].float() * decay - lr * direction[j] / denom for j in range(c)]
     # Candidate-major [C, G] stacking: contiguous stores vectorise; returned as [G, C] views.
-    new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seed).view(c, -1).t()
+    new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seeds[0]).view(c, -1).t()
     new_m = None
     if m is not None:
-        new_m = _stochastic_round(torch.stack(m_new, dim=0).view(-1), m.dtype, seed ^ _M_SEED).view(c, -1).t()
+        new_m = _stochastic_round(torch.stack(m_new, dim=0).view(-1), m.dtype, seeds[2]).view(c, -1).t()
     return new_p, v, new_m
 
 
-def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed):
+def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seeds):
     """One step of a ``[G, C]`` parameter with a per-logit second moment ``v [G, C]`` (AdamW's rule).
 
-    Every state is rounded stochastically to its own dtype. Returns the new ``(p, v, m)``.
+    ``v`` is float32, bfloat16 or 8-bit codes (uint8). Every state is rounded stochastically to its
+    own format. Returns the new ``(p, v, m)``.
     """
     g = grad.float()
-    v_new = beta2 * v.float() + (1.0 - beta2) * g.square()
+    v_old = _decode_v8(v) if v.dtype == torch.uint8 else v.float()
+    v_new = beta2 * v_old + (1.0 - beta2) * g.square()
     denom = torch.sqrt(v_new / (1.0 - beta2**step)) + eps
     if m is not None:
         m_new = beta1 * m.float() + (1.0 - beta1) * g
@@ -103,25 +128,25 @@ def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed
     else:
         direction = g
     new = p.float() * (1.0 - lr * weight_decay) - lr * direction / denom
-    new_p = _stochastic_round(new.view(-1), p.dtype, seed).view(p.shape)
-    new_v = _stochastic_round(v_new.view(-1), v.dtype, seed ^ _V_SEED).view(p.shape)
+    new_p = _stochastic_round(new.view(-1), p.dtype, seeds[0]).view(p.shape)
+    if v.dtype == torch.uint8:
+        new_v = _encode_v8(v_new.view(-1), seeds[1]).view(p.shape)
+    else:
+        new_v = _stochastic_round(v_new.view(-1), v.dtype, seeds[1]).view(p.shape)
     new_m = None
     if m is not None:
-        new_m = _stochastic_round(m_new.view(-1), m.dtype, seed ^ _M_SEED).view(p.shape)
+        new_m = _stochastic_round(m_new.view(-1), m.dtype, seeds[2]).view(p.shape)
     return new_p, new_v, new_m
 
 
-_M_SEED, _V_SEED = 0x5BD1E995, 0x27D4EB2F  # the states' rounding streams, apart from the logits'
+_STREAMS = (0, 0x27D4EB2F, 0x5BD1E995)  # the logits', second moment's and momentum's rounding streams
 _UPDATES = {"group": _update_group, "logit": _update_logit}
 
 
 _COMPILED: dict[str, Any] = {}
 
 
-def second_moment_dtype(logits_dtype: torch.dtype) -> torch.dtype:
-    """The per-logit second moment's dtype: float32 for float32 logits, else bfloat16 (float32's
-    range: squared gradients below float16's 6e-8 would flush to zero)."""
-    return torch.float32 if logits_dtype == torch.float32 else torch.bfloat16
+_V_DTYPES = {8: torch.uint8, 16: torch.bfloat16, 32: torch.float32}  # per-logit second moment storage
 
 
 def compiler_available(device: torch.device | str | None = None) -> bool:
@@ -146,8 +171,10 @@ class MaskAdamW(torch.optim.Optimizer):
         weight_decay: Decoupled weight decay (the reference applies 0.1 to the logits).
         momentum_dtype: ``None`` (default: no first moment, 0 bytes), ``torch.bfloat16`` (2 bytes
             per logit, stochastically rounded) or ``torch.float32``.
-        second_moment: ``"logit"`` (default; bf16 for 16-bit logits, float32 for float32 logits) or
-            ``"group"`` (one float32 per group: 2 bytes less per masked weight, worse masks).
+        second_moment: ``"logit"`` (default: AdamW's, one per logit) or ``"group"`` (one float32 per
+            group of m weights, shared by its C logits: 0.5 bytes less per masked 2:4 weight, worse masks).
+        second_moment_bits: Storage of the per-logit second moment: 8 (default; an 8-bit float,
+            1 byte per logit), 16 (bfloat16) or 32 (float32); stochastically rounded below 32.
         compile: Fuse each update with ``torch.compile``; default: when a C++ compiler or CUDA is there.
     """
 
@@ -160,6 +187,7 @@ class MaskAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         momentum_dtype: torch.dtype | None = None,
         second_moment: str = "logit",
+        second_moment_bits: int = 8,
         compile: bool | None = None,
         seed: int = 0,
     ) -> None:
@@ -175,10 +203,15 @@ class MaskAdamW(torch.optim.Optimizer):
             )
         if second_moment not in _UPDATES:
             raise ConfigError(f"MaskAdamW: second_moment must be 'logit' or 'group', got {second_moment!r}.")
+        if second_moment_bits not in _V_DTYPES:
+            raise ConfigError(
+                f"MaskAdamW: second_moment_bits must be 8, 16 or 32, got {second_moment_bits!r}."
+            )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.momentum_dtype = momentum_dtype
         self.second_moment = second_moment
+        self.v_dtype = _V_DTYPES[second_moment_bits] if second_moment == "logit" else torch.float32
         self.compile = compiler_available() if compile is None else bool(compile)
         self.seed = int(seed)
 
@@ -192,22 +225,28 @@ class MaskAdamW(torch.optim.Optimizer):
         return _COMPILED[self.second_moment]
 
     def _new_second_moment(self, rows: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Zeros: ``[G]`` float32 per group (sharded like ``p``), or per logit like ``p`` in
-        :func:`second_moment_dtype`."""
+        """Zeros: ``[G]`` float32 per group (sharded like ``p``), or per logit like ``p``."""
         if self.second_moment == "group":
             v = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
             return _shard_like(v, p)  # sharded like p: checkpoints gather it whole
-        return torch.zeros_like(p, dtype=second_moment_dtype(p.dtype))
+        return torch.zeros_like(p, dtype=self.v_dtype)
 
-    def _rounding_seed(self, step: int, index: int, row_offset: int, device: torch.device) -> torch.Tensor:
-        """The stochastic-rounding seed of one parameter at one step: the same on every process.
+    def _rounding_seeds(
+        self, step: int, index: int, element_offset: int, device: torch.device
+    ) -> torch.Tensor:
+        """The stochastic-rounding seeds ``[3, 2]`` (logits, second moment, momentum) of one parameter at
+        one step: a function of (seed, step, parameter index) only, the same on every process.
 
         DDP replicas must round identically or their logits drift apart (DDP never re-syncs
-        parameters); a function of (seed, step, parameter index, first row) guarantees it, and
-        FSDP shards (other rows of a parameter) still get their own noise.
+        parameters). The hash's element index starts at ``element_offset``, this process's first
+        element of the parameter, so an FSDP shard draws exactly the bits the whole parameter would
+        for the same elements (row-major order: the per-logit update; FSDP and DDP then agree bit
+        for bit) and shards never share bits.
         """
-        mixed = (self.seed * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9) ^ (index * 0x94D049BB133111EB)
-        return seed_tensor((mixed ^ (row_offset * 0xD6E8FEB86659FD93)) % 2**64, device)
+        base = (self.seed * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9) ^ (index * 0x94D049BB133111EB)
+        low = (base + element_offset) & 0xFFFFFFFF  # hash_bits adds the low word to the element index
+        high = (base >> 32) & 0xFFFFFFFF
+        return torch.stack([seed_tensor(low | ((high ^ s) << 32), device) for s in _STREAMS])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -241,7 +280,7 @@ class MaskAdamW(torch.optim.Optimizer):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 new_p, new_v, new_m = fn(
                     rows, grad, v, m, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    float(step), self._rounding_seed(step, index, row_offset, rows.device),
+                    float(step), self._rounding_seeds(step, index, row_offset * rows.shape[1], rows.device),
                 )  # fmt: skip
                 rows.copy_(new_p)
                 v.copy_(new_v)
@@ -268,8 +307,13 @@ class MaskAdamW(torch.optim.Optimizer):
                     f"This optimizer state has a per-{kind} second moment but MaskAdamW was built with "
                     f"second_moment={self.second_moment!r}: build it with second_moment={kind!r}, as the saved run."
                 )
-            v_dtype = torch.float32 if kind == "group" else second_moment_dtype(p.dtype)
-            state["exp_avg_sq"] = v.to(device=device, dtype=v_dtype, copy=True)
+            if kind == "logit" and v.dtype != self.v_dtype:
+                saved_bits = {d: b for b, d in _V_DTYPES.items()}.get(v.dtype, v.dtype)
+                raise ConfigError(
+                    f"This optimizer state keeps its per-logit second moment as {v.dtype} but MaskAdamW was built "
+                    f"for {self.v_dtype}: build it with second_moment_bits={saved_bits}, as the saved run."
+                )
+            state["exp_avg_sq"] = v.to(device=device, dtype=self.v_dtype, copy=True)
             if "exp_avg" in state:
                 if self.momentum_dtype is None:
                     raise ConfigError(
