@@ -1,4 +1,5 @@
-"""``MaskAdamW``: AdamW for mask logits in 16 bits, with stochastic rounding and no first moment.
+"""``MaskAdamW``: AdamW for mask logits in 7.5 bytes per masked weight: bf16 logits, stochastic
+rounding, an 8-bit second moment per logit and no first moment.
 
 ``torch.optim.AdamW`` on fp32 logits keeps two float32 states per logit: 24 bytes of training state
 per masked 2:4 weight (1.5 logits per weight, with the logits and their gradients). ``MaskAdamW``
@@ -6,10 +7,12 @@ keeps the logits in bf16, rounds every update *stochastically* (unbiased, so ste
 resolution still add up; AdamW with round-to-nearest silently drops them), keeps by default no first
 moment, and its second moment either
 
-- per logit (``second_moment="logit"``, the default): AdamW's rule, stored in bf16 (stochastically
-  rounded), so every candidate of a group moves at its own pace, or
+- per logit (``second_moment="logit"``, the default): AdamW's rule, so every candidate of a group
+  moves at its own pace; stored in an 8-bit float of its own (``second_moment_bits=8``: 6 exponent
+  bits for the range of squared logit gradients, 2 mantissa bits, stochastically rounded), bf16 (16)
+  or float32 (32), or
 - per group of m weights (``"group"``): one float32 mean over the group's C logits (Adafactor's row
-  factor), 2 bytes less per weight, but a group's unlikely candidates, whose gradients the softmax
+  factor), 0.5 bytes less per weight, but a group's unlikely candidates, whose gradients the softmax
   scales down, then take proportionally smaller steps and the learned mask is measurably worse.
 
 Bytes per masked 2:4 weight (logits + grads + state):
@@ -18,7 +21,8 @@ Bytes per masked 2:4 weight (logits + grads + state):
 setting                                  logits  grads  state  total
 =======================================  ======  =====  =====  =====
 fp32 logits, ``torch.optim.AdamW``        6       6      12     24
-bf16 logits, ``MaskAdamW()`` (default)    3       3      3      9
+bf16 logits, ``MaskAdamW()`` (default)    3       3      1.5    7.5
+bf16 logits, ``second_moment_bits=16``    3       3      3      9
 bf16 logits, ``second_moment="group"``    3       3      1      7
 =======================================  ======  =====  =====  =====
 
