@@ -44,7 +44,7 @@ try:  # FSDP2 shards parameters as DTensors; builds without torch.distributed ha
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = Shard = type("_Absent", (), {})
-from .adapters.sampling import hash_bits, seed_tensor
+from .adapters.sampling import hash_bits
 from .errors import ConfigError
 
 __all__ = ["MaskAdamW", "compiler_available", "training_state_bytes"]
@@ -250,7 +250,9 @@ class MaskAdamW(torch.optim.Optimizer):
         base = (self.seed * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9) ^ (index * 0x94D049BB133111EB)
         low = (base + element_offset) & 0xFFFFFFFF  # hash_bits adds the low word to the element index
         high = (base >> 32) & 0xFFFFFFFF
-        return torch.stack([seed_tensor(low | ((high ^ s) << 32), device) for s in _STREAMS])
+        words = [[low, high ^ s] for s in _STREAMS]
+        return torch.tensor([[w - 2**32 if w >= 2**31 else w for w in pair] for pair in words],
+                            dtype=torch.int32, device=device)  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
