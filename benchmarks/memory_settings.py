@@ -26,7 +26,7 @@ from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
 from hf_maskllm.data import calibration_tokens, causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
-from hf_maskllm.optim import training_state_bytes
+from hf_maskllm.memory import training_state_bytes
 from hf_maskllm.perplexity import evaluate_perplexity
 
 BETAS = (0.9, 0.95)
@@ -121,6 +121,8 @@ def main() -> None:
             seed=args.seed,
         )
         seconds = time.perf_counter() - start
+        # What the run holds across steps, callback state included (gradients counted at their size).
+        probe.bytes = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         ppl = {
             corpus: evaluate_perplexity(
@@ -158,7 +160,7 @@ def main() -> None:
     ]
     for r in rows:
         b = r["bytes_per_weight"]
-        total = sum(b.values())
+        total = b["total"]
         delta = (
             ""
             if ref is None

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, MaskAdamW, check_nm
+    from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, MaskAdamW, MaskTrainingArguments, check_nm
 """
 
 __version__ = "0.1.0"  # before the imports: submodules read it
@@ -12,6 +12,7 @@ from .check import NMReport, check_nm
 from .errors import MaskLLMError
 from .optim import MaskAdamW
 from .sparse import SparseLinear, save_compressed  # registers the compressed format with transformers
+from .training_args import MaskTrainingArguments
 
 __all__ = [
     "MaskAdamW",
@@ -19,6 +20,7 @@ __all__ = [
     "MaskConfig",
     "MaskLLMError",
     "MaskModel",
+    "MaskTrainingArguments",
     "MaskedLinear",
     "NMReport",
     "SparseLinear",

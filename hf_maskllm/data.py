@@ -3,6 +3,10 @@
 Every consumer (one-shot priors, mask learning, perplexity) goes through the same steps:
 :func:`load_texts` turns a source into a list of strings, :func:`tokenize_windows` joins them with
 ``"\\n\\n"``, tokenizes once and cuts non-overlapping windows (the SparseGPT / MaskLLM protocol).
+Every window starts the way the tokenizer starts a text: where it adds a BOS token (Gemma, Llama 3)
+each window begins with it, followed by ``seqlen - 1`` tokens of text; where it adds none (SmolLM2,
+GPT-2) the windows are plain slices of the text. A model that always sees BOS first in use is then
+calibrated, trained and evaluated on inputs of that shape.
 
 Two real corpora ship offline inside the ``gensim`` wheel (:func:`load_embedded_texts`):
 
@@ -38,6 +42,7 @@ __all__ = [
     "causal_lm_dataset",
     "load_embedded_texts",
     "load_texts",
+    "text_prefix_ids",
     "tokenize_windows",
 ]
 
@@ -162,22 +167,56 @@ def load_texts(source: Any, text_column: str = "text") -> list[str]:
     return texts
 
 
+def text_prefix_ids(tokenizer: Any) -> list[int]:
+    """The token ids ``tokenizer`` puts before the text of every input (``[bos_id]`` for Gemma or
+    Llama 3, ``[]`` for SmolLM2 or GPT-2), found by tokenizing a probe with and without special tokens."""
+    probe = "Hello"
+    with_special = list(tokenizer(probe, verbose=False)["input_ids"])
+    try:
+        plain = list(tokenizer(probe, add_special_tokens=False, verbose=False)["input_ids"])
+    except TypeError:  # a tokenizer without the switch adds nothing
+        return []
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            return [int(i) for i in with_special[:start]]
+    raise DataError(
+        f"Cannot tell which special tokens {type(tokenizer).__name__} adds before a text: {probe!r} tokenizes "
+        f"to {with_special} with special tokens and {plain} without. Pass token ids instead of texts."
+    )
+
+
+def _token_ids(text: str, tokenizer: Any) -> torch.LongTensor:
+    """``text`` tokenized without special tokens, ``[T]``."""
+    try:
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)
+    except TypeError:  # a tokenizer without the switch adds nothing
+        encoded = tokenizer(text, return_tensors="pt", verbose=False)
+    return encoded["input_ids"][0].long()
+
+
 def tokenize_windows(
     texts: Any, tokenizer: Any, seqlen: int, max_windows: int | None = None
 ) -> torch.LongTensor:
     """Join ``texts`` with ``"\\n\\n"``, tokenize once and cut non-overlapping windows of ``seqlen``
     tokens (the remainder is dropped). ``texts`` is anything :func:`load_texts` accepts.
 
+    Each window starts as the tokenizer starts a text (:func:`text_prefix_ids`: BOS where it adds
+    one), followed by the next ``seqlen - len(prefix)`` tokens of the text.
+
     Returns:
         LongTensor ``[W, seqlen]``; the first ``max_windows`` windows if given.
     """
-    if seqlen < 2:
-        raise DataError(f"seqlen must be at least 2 tokens, got {seqlen}.")
     if max_windows is not None and max_windows < 1:
         raise DataError(f"max_windows must be a positive number or None, got {max_windows}.")
-    text = "\n\n".join(load_texts(texts))
-    ids = tokenizer(text, return_tensors="pt", verbose=False)["input_ids"][0]  # [T]
-    num = ids.numel() // seqlen
+    prefix = text_prefix_ids(tokenizer)
+    if seqlen < len(prefix) + 2:
+        raise DataError(
+            f"seqlen must be at least {len(prefix) + 2} tokens (the tokenizer starts every window with "
+            f"{len(prefix)} special token(s)), got {seqlen}."
+        )
+    body = seqlen - len(prefix)  # text tokens per window
+    ids = _token_ids("\n\n".join(load_texts(texts)), tokenizer)  # [T]
+    num = ids.numel() // body
     if num == 0:
         raise DataError(
             f"The text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}; "
@@ -185,7 +224,10 @@ def tokenize_windows(
         )
     if max_windows is not None:
         num = min(num, max_windows)
-    return ids[: num * seqlen].reshape(num, seqlen).long()  # [W, seqlen]
+    windows = ids[: num * body].reshape(num, body)  # [W, body]
+    if prefix:
+        windows = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(num, -1), windows], dim=1)
+    return windows.long()  # [W, seqlen]
 
 
 def calibration_tokens(

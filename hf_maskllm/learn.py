@@ -1,9 +1,10 @@
 """``learn_mask``: the one mask-learning pipeline (a plain ``transformers.Trainer`` run).
 
 The CLI's main job, the examples and the quality benchmark all call this function, so there is
-one training recipe. Defaults follow the MaskLLM reference (REFERENCE section 1): only the logits
-train, AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, cosine LR decaying to 10%, grad
-clip 1.0, tau and kappa annealed by :class:`MaskAnnealCallback`.
+one training recipe. Defaults follow the MaskLLM reference implementation: only the logits train,
+AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, cosine LR decaying to 10%, grad clip 1.0
+(:class:`~hf_maskllm.MaskTrainingArguments`), tau and kappa annealed by :class:`MaskAnnealCallback`.
+A plain ``Trainer`` with those three pieces runs the same recipe.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Trainer, default_data_collator
 
 from .adapters.callback import MaskAnnealCallback
 from .adapters.model import MaskModel
 from .optim import MaskAdamW, compiler_available
+from .training_args import MaskTrainingArguments
 
 __all__ = ["learn_mask"]
 
@@ -63,12 +65,6 @@ def learn_mask(
         "seed": seed,
         "data_seed": seed,
         "disable_tqdm": disable_tqdm,
-        "lr_scheduler_type": "cosine_with_min_lr",
-        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
-        "adam_beta1": 0.9,
-        "adam_beta2": 0.95,
-        "weight_decay": 0.1,
-        "max_grad_norm": 1.0,
         "save_strategy": "no",
         "report_to": [],
         "use_cpu": not use_cuda,
@@ -76,7 +72,7 @@ def learn_mask(
     }
     if "fp16" not in training_args:
         settings["bf16"] = bf16
-    args = TrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
+    args = MaskTrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
     if compile_sampling and not compiler_available():
         warnings.warn(
             "No C++ compiler found: torch.compile cannot fuse mask sampling on CPU; using eager.",
@@ -100,8 +96,7 @@ def learn_mask(
     )
     previous = any(layer.compiled_sampling for layer in mask_model.masked_layers().values())
     try:
-        trainer.train()
+        trainer.train()  # MaskAnnealCallback puts the model in eval mode at the end
     finally:  # the callback restores it at the end of training, but not when training raises
         mask_model.set_compiled_sampling(previous)
-    mask_model.eval()
     return trainer

@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
 from .adapters.sampling import hash_bits
 from .errors import ConfigError
 
-__all__ = ["MaskAdamW", "compiler_available", "training_state_bytes"]
+__all__ = ["MaskAdamW", "compiler_available", "local_shard"]
 
 _MANTISSA_DROP = {torch.bfloat16: 16, torch.float16: 13}  # float32 mantissa bits the 16-bit type lacks
 
@@ -368,26 +368,3 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
             "parameters that are not mask logits."
         )
     return local, grad, row_offset
-
-
-def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of this process's trainable parameters, their gradients and every optimizer state tensor.
-
-    Gradients are counted as allocated when present, else at the size autograd allocates (one per
-    trainable parameter, in its dtype), so the figure holds after ``zero_grad(set_to_none=True)``.
-    Sharded (FSDP2) tensors count their local shard.
-    """
-
-    def nbytes(t: torch.Tensor) -> int:
-        local = local_shard(t)
-        return local.numel() * local.element_size()
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    state = 0
-    for per_param in optimizer.state.values():
-        state += sum(nbytes(t) for t in per_param.values() if isinstance(t, torch.Tensor))
-    return {
-        "params": sum(nbytes(p) for p in params),
-        "grads": sum(nbytes(p.grad) if p.grad is not None else nbytes(p) for p in params),
-        "optimizer": state,
-    }

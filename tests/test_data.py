@@ -130,3 +130,43 @@ def test_embedded_splits_disjoint_and_deterministic(corpus, num_all):
     assert all(len(t) > 100 for t in everything)
     if corpus == "wikipedia":
         assert all(len(t) > 2000 for t in everything) and everything[0].startswith("'''Anarchism'''")
+
+
+def _byte_tokenizer(bos: bool):
+    """A real ``PreTrainedTokenizerFast`` (one token per byte), adding ``<bos>`` before every text or not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, **{chr(i): i + 2 for i in range(32, 127)}, "\n": 129}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_every_window_starts_as_the_tokenizer_starts_a_text(bos):
+    tok = _byte_tokenizer(bos)
+    assert tok("ab")["input_ids"] == ([0] if bos else []) + [tok.convert_tokens_to_ids(c) for c in "ab"]
+    text = "".join(chr(33 + i % 90) for i in range(100))
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    windows = tokenize_windows([text], tok, seqlen=10)
+    if bos:  # 9 text tokens after BOS in every window, the text continuing from window to window
+        assert windows.shape == (11, 10)
+        assert windows[:, 0].tolist() == [0] * 11
+        assert windows[:, 1:].flatten().tolist() == plain[:99]
+    else:  # plain slices: no special token anywhere
+        assert windows.shape == (10, 10)
+        assert windows.flatten().tolist() == plain
+    # calibration windows and training windows come from the same cut
+    calib = calibration_tokens([text], tok, num_samples=4, seqlen=10, seed=0)
+    assert (calib[:, 0] == 0).all() == bos
+    dataset = causal_lm_dataset([text], tok, seqlen=10)
+    assert [row[0] == 0 for row in dataset["input_ids"]] == [bos] * len(dataset)
+
+
+def test_window_too_short_for_the_prefix():
+    with pytest.raises(DataError, match="at least 3 tokens"):
+        tokenize_windows(["abcdef"], _byte_tokenizer(True), seqlen=2)

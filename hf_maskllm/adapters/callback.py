@@ -6,6 +6,8 @@ with ``resume_from_checkpoint`` continues on exactly the same schedule.
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from typing import Any
 
@@ -18,11 +20,14 @@ from transformers.trainer_callback import ExportableState
 from ..errors import MaskLLMError
 from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
+from ..training_args import recipe_departures
 from .model import MaskModel
-from .sampling import max_probability
+from .sampling import hard_indices, max_probability
 from .schedules import schedule_value
 
 __all__ = ["MaskAnnealCallback", "find_mask_model"]
+
+logger = logging.getLogger(__name__)
 
 
 def find_mask_model(model: nn.Module | None) -> MaskModel:
@@ -41,7 +46,8 @@ def find_mask_model(model: nn.Module | None) -> MaskModel:
 
 def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
     """16-bit logits need stochastic rounding: with round-to-nearest most updates are lost."""
-    if optimizer is None or isinstance(getattr(optimizer, "optimizer", optimizer), MaskAdamW):
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    if optimizer is None or isinstance(optimizer, MaskAdamW):
         return
     low = {str(p.dtype) for p in mask_model.parameters() if p.requires_grad and p.element_size() < 4}
     if low:
@@ -76,15 +82,28 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
     ``mask_flip_rate`` (fraction of masked weights whose hard mask changed, mean per step since the
     last log) and ``mask_max_prob`` (mean over groups of ``max softmax(kappa * logits)``).
 
+    At the start of training it warns about every setting that departs from the MaskLLM recipe
+    (weight decay, betas and learning rate of the logits, LR schedule, gradient clipping: see
+    :class:`~hf_maskllm.MaskTrainingArguments`), and when the first step compiles it says so and
+    how long it took. At the end it puts the model in eval mode: it then uses the hard masks, and
+    two forwards of the same input agree.
+
     Args:
         log_mask_stats: Compute flip rate and max probability (one argmax over all logits per step).
+            Keeps each group's previous choice as one byte (0.25 bytes per masked 2:4 weight).
         compile_sampling: Fuse the mask sampling with ``torch.compile`` during training (see
             ``adapters/fused_linear.py``); default: when a C++ compiler (CPU) or CUDA is available.
+            ``False`` skips the compilation (about a minute on CPU) at some cost per step.
+        check_recipe: Warn about departures from the recipe (``False`` when they are deliberate).
     """
 
-    def __init__(self, log_mask_stats: bool = True, compile_sampling: bool | None = None) -> None:
+    def __init__(
+        self, log_mask_stats: bool = True, compile_sampling: bool | None = None, check_recipe: bool = True
+    ) -> None:
         self.log_mask_stats = log_mask_stats
         self.compile_sampling = compile_sampling
+        self.check_recipe = check_recipe
+        self._first_step_start: float | None = None
         self._previous_compiled: bool | None = None
         self.tau: float | None = None
         self.kappa: float | None = None
@@ -96,7 +115,11 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict[str, Any]:
         return {
-            "args": {"log_mask_stats": self.log_mask_stats, "compile_sampling": self.compile_sampling},
+            "args": {
+                "log_mask_stats": self.log_mask_stats,
+                "compile_sampling": self.compile_sampling,
+                "check_recipe": self.check_recipe,
+            },
             "attributes": {
                 "flip_rate_sum": self.flip_rate_sum,
                 "flip_rate_count": self.flip_rate_count,
@@ -130,13 +153,38 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
             self._previous = {
-                k: local_shard(layer.mask_logits).argmax(dim=-1) for k, layer in mask_model.masked_layers().items()
+                k: hard_indices(local_shard(layer.mask_logits))
+                for k, layer in mask_model.masked_layers().items()
             }
-        _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
+        optimizer = kwargs.get("optimizer")
+        _warn_if_rounding_away(mask_model, optimizer)
+        if self.check_recipe and optimizer is not None:
+            departures = recipe_departures(args, optimizer, mask_model)
+            if departures:
+                warnings.warn(
+                    "This run departs from the MaskLLM recipe: "
+                    + "; ".join(departures)
+                    + ". TrainingArguments' defaults are not the recipe: use hf_maskllm.MaskTrainingArguments "
+                    "(the recipe's defaults) with optimizer_cls_and_kwargs=(MaskAdamW, {'lr': args.learning_rate}), "
+                    "or hf_maskllm.learn.learn_mask. If the departure is deliberate, pass "
+                    "MaskAnnealCallback(check_recipe=False).",
+                    stacklevel=2,
+                )
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling
         previous = mask_model.set_compiled_sampling(compiled)
         if self._previous_compiled is None:  # a run that raised never reached on_train_end: keep the first
             self._previous_compiled = previous
+        optimizer_compiles = bool(getattr(getattr(optimizer, "optimizer", optimizer), "compile", False))
+        self._first_step_start = None
+        if compiled or optimizer_compiles:
+            what = " and ".join(
+                (["mask sampling (MaskAnnealCallback(compile_sampling=False) skips it)"] if compiled else [])
+                + (["MaskAdamW's update (MaskAdamW(compile=False) skips it)"] if optimizer_compiles else [])
+            )
+            logger.warning(
+                "torch.compile: the first training step compiles the %s; this can take a minute.", what
+            )
+            self._first_step_start = time.perf_counter()
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._apply(find_mask_model(model), state.global_step, state.max_steps)
@@ -144,6 +192,12 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
     # ------------------------------------------------------------------ statistics
     @torch.no_grad()
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self._first_step_start is not None:
+            logger.warning(
+                "torch.compile: the first training step took %.1f s, compilation included (later steps reuse it).",
+                time.perf_counter() - self._first_step_start,
+            )
+            self._first_step_start = None
         if not self.log_mask_stats:
             return
         mask_model = find_mask_model(model)
@@ -157,11 +211,11 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             logits = local_shard(layer.mask_logits)
             if logits is not layer.mask_logits:
                 sharded = layer.mask_logits
-            current = logits.argmax(dim=-1)
+            current = hard_indices(logits)  # one byte per group (C <= 255)
             previous = self._previous.get(name)
             if previous is not None and previous.shape == current.shape:
                 flips = _hamming(cfg.n, cfg.m, current.device)[
-                    previous, current
+                    previous.long(), current.long()
                 ].sum()  # weights that changed
                 changed = flips if changed is None else changed + flips
                 total += current.numel() * cfg.m
@@ -198,16 +252,21 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         model = kwargs.get("model")
         term = find_mask_model(model).last_sparse_reg_term if model is not None else None
         if term is not None and "loss" in logs:
-            extra["sparse_reg_loss"] = float(
-                term
-            )  # included in `loss` (last micro-batch); LM loss = loss - this
+            # The regulariser's value (last micro-batch); its gradient trains the logits, while `loss`
+            # stays the language-model loss that runs can be compared by.
+            extra["sparse_reg_loss"] = float(term)
         logs.update(extra)
         # Trainer appended its record to log_history before calling callbacks: keep them consistent.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
 
+    def held_bytes(self) -> int:
+        """Bytes this callback keeps from one step to the next (each group's previous hard choice)."""
+        return sum(t.numel() * t.element_size() for t in self._previous.values())
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         mask_model = find_mask_model(model)
+        mask_model.eval()  # hard masks from here on: evaluation and generation are deterministic
         if self._previous_compiled is not None:
             mask_model.set_compiled_sampling(self._previous_compiled)
             self._previous_compiled = None

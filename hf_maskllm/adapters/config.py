@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -133,7 +134,9 @@ class MaskConfig:
         if self.logits_dtype not in LOGITS_DTYPES:
             raise ConfigError(f"`logits_dtype` must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
-            raise ConfigError(f"`seed` must be an integer in [-2**63, 2**64) (a torch seed), got {self.seed!r}.")
+            raise ConfigError(
+                f"`seed` must be an integer in [-2**63, 2**64) (a torch seed), got {self.seed!r}."
+            )
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
             raise ConfigError(
                 f"`base_model_name_or_path` must be a string or None, got {self.base_model_name_or_path!r}."
@@ -143,6 +146,22 @@ class MaskConfig:
     def num_candidates(self) -> int:
         """``C(m, n)``: the number of candidate patterns per group."""
         return num_candidates(self.n, self.m)
+
+    def check_prior_source(self) -> None:
+        """Refuse a ``prior`` that names neither a method, an existing folder nor a Hub repo id.
+
+        A bare name such as ``"sparsegtp"`` would otherwise be looked up on the Hub and fail with a
+        network error that never lists the methods.
+        """
+        prior = self.prior
+        if prior is None or prior in PRIOR_METHODS or "/" in prior or os.path.exists(prior):
+            return
+        close = difflib.get_close_matches(prior.lower(), PRIOR_METHODS, n=1, cutoff=0.6)
+        hint = f" Did you mean prior={close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"`prior`={prior!r} is not a one-shot method {PRIOR_METHODS}, an existing mask folder, or a Hub repo "
+            f"id ('owner/name').{hint}"
+        )
 
     @property
     def prior_is_method(self) -> bool:

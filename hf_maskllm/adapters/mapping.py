@@ -40,6 +40,7 @@ def get_mask_model(
         raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
     config.validate()
     targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
+    config.check_prior_source()
     prior_masks: dict[str, torch.Tensor] | None = None
     if config.prior_is_method:
         from ..priors import compute_prior_masks

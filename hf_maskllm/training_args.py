@@ -1,0 +1,92 @@
+"""``MaskTrainingArguments``: ``TrainingArguments`` whose defaults are the MaskLLM recipe.
+
+A plain ``TrainingArguments`` trains the logits with weight decay 0.0, a linear LR schedule and a
+learning rate of 5e-5; the MaskLLM reference trains them with weight decay 0.1, AdamW betas
+(0.9, 0.95), a cosine schedule from 5e-4 down to 10% of it and gradient clipping at 1.0. This class
+changes only those defaults (every argument can still be set), and :func:`recipe_departures` lists
+how a run's settings differ from them (``MaskAnnealCallback`` warns with that list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+__all__ = ["RECIPE", "MaskTrainingArguments", "recipe_departures"]
+
+RECIPE: dict[str, Any] = {
+    "learning_rate": 5e-4,
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "lr_scheduler_type": "cosine_with_min_lr",
+    "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+    "max_grad_norm": 1.0,
+}
+
+
+@dataclass
+class MaskTrainingArguments(TrainingArguments):
+    """``transformers.TrainingArguments`` with the MaskLLM recipe as defaults (see the module docstring).
+
+    Pair it with ``optimizer_cls_and_kwargs=(MaskAdamW, {"lr": args.learning_rate})`` and a
+    :class:`~hf_maskllm.MaskAnnealCallback`; :func:`hf_maskllm.learn.learn_mask` does all three.
+    """
+
+    learning_rate: float = field(
+        default=RECIPE["learning_rate"], metadata={"help": "Peak learning rate of the logits (recipe: 5e-4)."}
+    )
+    weight_decay: float = field(
+        default=RECIPE["weight_decay"],
+        metadata={"help": "Decoupled weight decay on the logits (recipe: 0.1)."},
+    )
+    adam_beta2: float = field(default=RECIPE["adam_beta2"], metadata={"help": "AdamW beta2 (recipe: 0.95)."})
+    lr_scheduler_type: str = field(
+        default=RECIPE["lr_scheduler_type"], metadata={"help": "Cosine decay to a floor (the recipe's)."}
+    )
+    lr_scheduler_kwargs: dict | str | None = field(
+        default_factory=lambda: dict(RECIPE["lr_scheduler_kwargs"]),
+        metadata={"help": "Cosine floor: 10% of the peak learning rate (the recipe's)."},
+    )
+
+
+def _logit_groups(optimizer: Any, mask_model: Any) -> list[dict[str, Any]]:
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    logits = {id(p) for p in mask_model.parameters() if p.requires_grad}
+    return [g for g in getattr(inner, "param_groups", []) if any(id(p) in logits for p in g["params"])]
+
+
+def recipe_departures(args: TrainingArguments, optimizer: Any, mask_model: Any) -> list[str]:
+    """Each way ``args`` and ``optimizer`` differ from the recipe for ``mask_model``'s logits, in words."""
+    out = []
+    groups = _logit_groups(optimizer, mask_model)
+    decays = sorted({float(g.get("weight_decay", 0.0)) for g in groups})
+    if groups and decays != [RECIPE["weight_decay"]]:
+        out.append(f"weight decay on the logits {decays} (recipe 0.1)")
+    betas = sorted({tuple(g["betas"]) for g in groups if "betas" in g})
+    if betas and betas != [(RECIPE["adam_beta1"], RECIPE["adam_beta2"])]:
+        out.append(f"AdamW betas {betas} (recipe (0.9, 0.95))")
+    peaks = sorted({float(g.get("initial_lr", g["lr"])) for g in groups})
+    if peaks and peaks != [float(args.learning_rate)]:
+        out.append(
+            f"the optimizer's learning rate {peaks} differs from TrainingArguments.learning_rate="
+            f"{args.learning_rate}, which the logs and your script may assume"
+        )
+    elif float(args.learning_rate) != RECIPE["learning_rate"]:
+        out.append(f"learning rate {args.learning_rate} (recipe 5e-4)")
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    floor = (
+        (args.lr_scheduler_kwargs or {}).get("min_lr_rate")
+        if isinstance(args.lr_scheduler_kwargs, dict)
+        else None
+    )
+    if kind != RECIPE["lr_scheduler_type"] or floor != RECIPE["lr_scheduler_kwargs"]["min_lr_rate"]:
+        out.append(
+            f"LR schedule {kind!r} (recipe: cosine to 10%, lr_scheduler_type='cosine_with_min_lr', "
+            "lr_scheduler_kwargs={'min_lr_rate': 0.1})"
+        )
+    if float(args.max_grad_norm) != RECIPE["max_grad_norm"]:
+        out.append(f"gradient clipping at {args.max_grad_norm} (recipe 1.0)")
+    return out
