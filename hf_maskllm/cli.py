@@ -3,7 +3,8 @@
 The main job: load a model (default: the embedded real SmolLM2-135M), measure dense perplexity,
 build a one-shot prior mask, learn the 2:4 mask with a short Trainer run, print a perplexity
 table (dense / prior / learned on held-out Wikipedia and news), save the mask and the merged
-compressed model, and generate a sample from it.
+compressed model, reload that model and print its continuations of a few prompts beside the dense
+model's.
 """
 
 from __future__ import annotations
@@ -89,6 +90,29 @@ def _check_no_heldout(source: str) -> None:
         )
 
 
+PROMPTS = ["The history of the city", "Photosynthesis is the process by which"]
+# Greedy decoding with the repetition controls a user would set for a small model: a plain greedy
+# continuation of a 135M model loops ("of the city of the city ...") whether it is dense or sparse.
+DECODING = {"max_new_tokens": 32, "do_sample": False, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}
+DECODING_NOTE = "greedy, repetition_penalty=1.3, no_repeat_ngram_size=3, 32 new tokens"
+
+
+def _continue(model, tokenizer, dense: bool = False) -> list[str]:
+    """Continuations of :data:`PROMPTS` (without the prompt); ``dense``: a MaskModel with its masks off."""
+    import contextlib
+
+    texts = []
+    context = model.disable_masks() if dense else contextlib.nullcontext()
+    with context, torch.no_grad():
+        for prompt in PROMPTS:
+            inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+            out = model.generate(
+                **inputs, **DECODING, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id
+            )
+            texts.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+    return texts
+
+
 def learn(args: argparse.Namespace) -> dict:
     """Run the main job; returns the results it prints and saves."""
     from . import MaskConfig, check_nm, get_mask_model
@@ -165,15 +189,21 @@ def learn(args: argparse.Namespace) -> dict:
     if not args.no_merged:
         mask_model.save_pretrained(out / "sparse-model", merged=True, tokenizer=tokenizer)
         print(f"compressed {args.n}:{args.m} model saved to {out / 'sparse-model'}")
+    dense_texts = _continue(mask_model, tokenizer, dense=True)
     sparse = mask_model.merge_and_unload()
     report = check_nm(sparse, args.n, args.m, target_modules=config.target_modules)
     print(report.__str__().splitlines()[0])
-    prompt = "The history of the city"
-    inputs = tokenizer(prompt, return_tensors="pt").to(sparse.device)
-    with torch.no_grad():
-        generated = sparse.generate(**inputs, max_new_tokens=30, do_sample=False)
-    sample = tokenizer.decode(generated[0], skip_special_tokens=True)
-    print(f"\nsample from the {args.n}:{args.m} model: {sample!r}")
+    generator, source = sparse, "merged in memory"
+    if not args.no_merged:  # generate from the compressed checkpoint as a user would load it
+        from transformers import AutoModelForCausalLM
+
+        generator = AutoModelForCausalLM.from_pretrained(out / "sparse-model").to(sparse.device).eval()
+        source = f"loaded from {out / 'sparse-model'}"
+    sparse_texts = _continue(generator, tokenizer)
+    print(f"\ncontinuations ({DECODING_NOTE}); dense vs {args.n}:{args.m} ({source}):")
+    for prompt, dense_text, sparse_text in zip(PROMPTS, dense_texts, sparse_texts, strict=True):
+        print(f"\n  prompt: {prompt!r}\n  dense:  {dense_text!r}\n  {args.n}:{args.m}:    {sparse_text!r}")
+    sample = {"prompts": PROMPTS, "decoding": DECODING, "dense": dense_texts, "sparse": sparse_texts}
     results = {
         "perplexity": {name: ppl for name, ppl, _ in rows},
         "seconds": {name: s for name, _, s in rows},

@@ -41,3 +41,10 @@ def test_main_job_on_smollm2(tmp_path, capsys):
     assert check_nm(sparse, 2, 4).ok
     card = (tmp_path / "sparse-model" / "README.md").read_text()
     assert "heldout ppl wikipedia" in card and "prior: magnitude" in card
+    # dense and 2:4 continuations of the same prompts, side by side, with the decoding settings stated
+    sample = results["sample"]
+    assert len(sample["dense"]) == len(sample["sparse"]) == len(sample["prompts"]) >= 2
+    assert all(text.strip() for text in sample["dense"] + sample["sparse"])
+    assert sample["dense"] != sample["sparse"]  # the dense continuation really ran without masks
+    assert "repetition_penalty=1.3" in printed and f"dense:  {sample['dense'][0]!r}" in printed
+    assert "loaded from" in printed

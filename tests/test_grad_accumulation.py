@@ -1,0 +1,126 @@
+"""bf16 logit gradients summed over micro-batches and DDP ranks match a float32 / float64 sum.
+
+Autograd accumulates ``.grad`` in the parameter's dtype and DDP all-reduces it in that dtype, so with
+bf16 logits the sum over micro-batches and ranks is rounded at every addition. Each addition rounds
+to nearest (error at most 2**-9 of the partial sum), so after ``k`` terms the error of every element
+is at most ``(k + 1) * 2**-9 * sum_i |g_i|``; the tests check that bound elementwise and the relative
+L2 error against a float64 sum of float32 micro-batch gradients computed from the same logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from models import single_thread, tiny_llama  # noqa: F401  (single_thread is an autouse fixture)
+
+from hf_maskllm import MaskConfig, get_mask_model
+
+MICRO = 8
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(3, 128, (2, 16), generator=gen) for _ in range(MICRO)]
+
+
+def _pair():
+    """A bf16-logit MaskModel in training mode and a float32-logit copy holding the same logit values."""
+    bf16 = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude")).train()
+    fp32 = copy.deepcopy(bf16)
+    for layer in fp32.masked_layers().values():
+        layer.mask_logits.data = layer.mask_logits.data.float()
+    return bf16, fp32
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {k: layer.mask_logits.grad for k, layer in model.masked_layers().items()}
+
+
+def _accumulate(bf16, fp32, batches, seed0: int, ddp=None):
+    """Accumulate bf16 gradients as the Trainer does (loss / k per micro-batch, ``no_sync`` until the last
+    under DDP); return them with the float64 sum of float32 micro-batch gradients and of their magnitudes."""
+    exact, magnitude = {}, {}
+    runner = ddp if ddp is not None else bf16
+    for i, ids in enumerate(batches):
+        torch.manual_seed(seed0 + i)  # the same Gumbel noise for both models
+        last = i == len(batches) - 1
+        context = runner.no_sync() if ddp is not None and not last else torch.enable_grad()
+        with context:
+            (runner(input_ids=ids, labels=ids).loss / len(batches)).backward()
+        torch.manual_seed(seed0 + i)
+        fp32.zero_grad(set_to_none=True)
+        (fp32(input_ids=ids, labels=ids).loss / len(batches)).backward()
+        for k, g in _grads(fp32).items():
+            exact[k] = exact.get(k, 0) + g.double()
+            magnitude[k] = magnitude.get(k, 0) + g.double().abs()
+    return _grads(bf16), exact, magnitude
+
+
+def _check(accumulated, exact, magnitude, terms: int) -> float:
+    num = den = 0.0
+    for k in exact:
+        err = (accumulated[k].double() - exact[k]).abs()
+        bound = (terms + 1) * 2.0**-9 * magnitude[k] + 1e-30
+        assert bool((err <= bound).all()), (
+            f"{k}: error above the round-to-nearest bound at {int((err > bound).sum())} logits"
+        )
+        num += float((err**2).sum())
+        den += float((exact[k] ** 2).sum())
+    return (num / den) ** 0.5
+
+
+def test_micro_batch_accumulation_matches_a_float64_sum():
+    bf16, fp32 = _pair()
+    accumulated, exact, magnitude = _accumulate(bf16, fp32, _micro_batches(0), seed0=0)
+    assert all(g.dtype == torch.bfloat16 for g in accumulated.values())
+    rel = _check(accumulated, exact, magnitude, MICRO)
+    assert 0 < rel < 0.01  # rounded (not exact), yet within 1% in L2
+    # a gradient lost on the way (e.g. one micro-batch's) breaks the bound
+    broken = {k: g - (exact[k] / MICRO).to(g.dtype) for k, g in accumulated.items()}
+    with pytest.raises(AssertionError, match="bound"):
+        _check(broken, exact, magnitude, MICRO)
+
+
+def _ddp_worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        bf16, fp32 = _pair()
+        ddp = torch.nn.parallel.DistributedDataParallel(bf16, find_unused_parameters=False)
+        accumulated, exact, magnitude = _accumulate(
+            bf16, fp32, _micro_batches(rank), seed0=1000 * rank, ddp=ddp
+        )
+        for k in exact:  # DDP averages over ranks: so does the reference
+            for t in (exact[k], magnitude[k]):
+                torch.distributed.all_reduce(t)
+                t /= 2
+        if rank == 0:
+            out["rel"] = _check(accumulated, exact, magnitude, 2 * MICRO)
+            out["dtype"] = str(next(iter(accumulated.values())).dtype)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_accumulation_matches_a_float64_sum():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=_ddp_worker, args=(r, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        assert out["dtype"] == "torch.bfloat16"
+        assert 0 < out["rel"] < 0.01
