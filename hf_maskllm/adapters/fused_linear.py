@@ -11,7 +11,9 @@ backward pass regenerates noise, probabilities and ``W * mask`` in one pass (the
 only until the logits' gradient is computed, one layer at a time), then runs the two matmuls and a
 second pass for the logits' gradient. With ``compiled=True`` (set per model by
 ``MaskModel.set_compiled_sampling``, which ``MaskAnnealCallback`` calls) each pass is one
-``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups.
+``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups. Both passes
+flush values below the float32 normal range to zero as they compute them (``denormals.py``), so no
+matmul or elementwise op ever sees a denormal, however low the temperature.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from .denormals import flushed_product
 from .sampling import sample_probs, soft_mask_from_probs
 
 __all__ = ["MaskedLinearFunction", "masked_linear"]
 
 _COMPILED: dict[str, Any] = {}  # the compiled passes, shared by every model (compiled once per process)
+_SQUARE_UNDERFLOW = 2.0**-63  # |w| below this: w * w is below the float32 normal range (2**-126)
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:
@@ -44,14 +48,15 @@ def _sample_weight(
 
     ``extra``: ``"reg"`` -> ``||W * mask||^2`` (float32 scalar); ``"probs"`` -> the probabilities
     ``[C, G]`` (candidate-major: contiguous stores vectorise), for the backward pass to reuse;
-    ``""`` -> None.
+    ``""`` -> None. Nothing below the float32 normal range is formed or returned (``denormals.py``):
+    such probabilities, products and squares are zeros.
     """
     probs = sample_probs(logits, seed, tau, kappa)
     mask = soft_mask_from_probs(probs, n, m, hard)
-    w_eff = [weight[:, j].float() * mask[j] for j in range(m)]
+    w_eff = [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
     out = None
     if extra == "reg":
-        out = _total([w.square().sum() for w in w_eff])
+        out = _total([torch.where(w.abs() < _SQUARE_UNDERFLOW, 0.0, w).square().sum() for w in w_eff])
     elif extra == "probs":
         out = torch.stack(probs, dim=0)
     return torch.stack(w_eff, dim=-1).to(dtype), out
@@ -59,20 +64,27 @@ def _sample_weight(
 
 def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad):
     """``dL/dlogits`` ``[G, C]`` from ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities ``[C, G]``
-    and the regulariser's scalar gradient (or None)."""
+    and the regulariser's scalar gradient (or None).
+
+    Every product with a probability or a mask value is a :func:`flushed_product`: nothing below the
+    float32 normal range is formed or returned. A probability that underflowed to 0 in the sampling
+    pass has a zero gradient (the plain formula's, ``p * (g - dot) * kappa / tau``, is at most
+    ``2**-126 * |g - dot| * kappa / tau``).
+    """
     probs = list(probs)
     grad_mask = [grad_w[:, j].float() * weight[:, j].float() for j in range(m)]
     if reg_grad is not None:  # d ||W * mask||^2 / d mask = 2 W^2 mask
         mask = soft_mask_from_probs(probs, n, m, hard)
         grad_mask = [
-            g + (2.0 * reg_grad) * weight[:, j].float().square() * mask[j] for j, g in enumerate(grad_mask)
+            g + flushed_product((2.0 * reg_grad) * weight[:, j].float().square(), mask[j])
+            for j, g in enumerate(grad_mask)
         ]
     # dL/dp_c = sum of dL/dmask_j over the positions j candidate c keeps; then the softmax backward
     grad_probs = [_total([grad_mask[j] for j in combo]) for combo in itertools.combinations(range(m), n)]
-    dot = _total([p * g for p, g in zip(probs, grad_probs)])
+    dot = _total([flushed_product(g, p) for p, g in zip(probs, grad_probs)])
     scale = kappa / tau  # d scores / d logits
     # Stacked candidate-major (contiguous stores vectorise), returned as a [G, C] view.
-    return torch.stack([p * (g - dot) * scale for p, g in zip(probs, grad_probs)], dim=0).t()
+    return torch.stack([flushed_product((g - dot) * scale, p) for p, g in zip(probs, grad_probs)], dim=0).t()
 
 
 _GROUP_ARGS = {"sample_weight": 2, "logits_grad": 2}  # leading arguments whose dim 0 is G

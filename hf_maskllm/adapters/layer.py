@@ -9,6 +9,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
+from .denormals import masked_weight_product
 from .fused_linear import masked_linear
 from .sampling import draw_seed, hard_indices, sample_soft_mask
 
@@ -78,10 +79,11 @@ class MaskedLinear(nn.Module):
 
     def masked_weight(self) -> torch.Tensor:
         """The effective ``[out, in]`` weight in the current mode (training: a fresh soft sample by plain
-        autograd; the training forward computes the same thing fused, ``fused_linear.py``)."""
+        autograd; the training forward computes the same thing fused, ``fused_linear.py``). Values
+        below the float32 normal range are zeros (``denormals.py``)."""
         weight = dense_weight_view(self.base_layer)
         if self.training:
-            return weight * self.sample_mask().to(weight.dtype)
+            return masked_weight_product(weight, self.sample_mask().to(weight.dtype))
         return weight * self.hard_mask().to(weight.dtype)
 
     # ------------------------------------------------------------------ forward

@@ -17,6 +17,7 @@ import itertools
 import torch
 
 from ..patterns import candidate_patterns
+from .denormals import LN_FLOAT32_TINY, flush_gradient, flushed_product
 
 __all__ = [
     "bits_to_uniform",
@@ -96,7 +97,9 @@ def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau: float, kappa: fl
     """``softmax((kappa * logits + g) / tau)`` with ``g = -log(-log u)``: C float32 columns ``[G]``.
 
     Column by column (C is small and static) so that compiled code vectorises over groups; a
-    softmax over a last dimension of 6 would not.
+    softmax over a last dimension of 6 would not. Probabilities below the float32 normal range are
+    0, and no denormal is formed on the way (``denormals.py``): an exponent whose result would be
+    one is not evaluated (its probability, at most the exponential itself, is below the range too).
     """
     u = gumbel_uniform(seed, logits.shape[0], logits.shape[1], logits.device)
     scores = [
@@ -105,12 +108,17 @@ def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau: float, kappa: fl
     top = scores[0]
     for s in scores[1:]:
         top = torch.maximum(top, s)
-    exps = [torch.exp(s - top) for s in scores]
+    exps = []
+    for s in scores:
+        shifted = s - top
+        exps.append(
+            torch.where(shifted < LN_FLOAT32_TINY, 0.0, torch.exp(torch.clamp(shifted, min=LN_FLOAT32_TINY)))
+        )
     total = exps[0]
     for e in exps[1:]:
         total = total + e
     inv = 1.0 / total
-    return [e * inv for e in exps]
+    return [flushed_product(e, inv) for e in exps]
 
 
 def soft_mask_from_probs(probs: list[torch.Tensor], n: int, m: int, hard: bool) -> list[torch.Tensor]:
@@ -149,7 +157,7 @@ def sample_soft_mask(
     seed_t = draw_seed(logits.device) if seed is None else seed_tensor(seed, logits.device)
     n, m = int(candidates[0].sum()), candidates.shape[1]
     with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
-        probs = sample_probs(logits, seed_t, float(tau), float(kappa))
+        probs = sample_probs(flush_gradient(logits), seed_t, float(tau), float(kappa))
         soft = torch.stack(soft_mask_from_probs(probs, n, m, hard=False), dim=-1)
         if not hard:
             return soft
