@@ -50,10 +50,11 @@ class CurveCallback(TrainerCallback):
         self.tokens_per_step = tokens_per_step
         self.points: list[tuple[int, float]] = []
         self.seconds = 0.0  # spent evaluating, subtracted from the method's wall time
+        self.cpu_seconds = 0.0  # the same in CPU time of this process
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             was_training = model.training
             ppl = evaluate_perplexity(
                 model,
@@ -66,6 +67,7 @@ class CurveCallback(TrainerCallback):
             model.train(was_training)
             self.points.append((state.global_step * self.tokens_per_step, ppl))
             self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.process_time() - cpu
             print(f"step {state.global_step}: held-out wikipedia ppl {ppl:.2f}", flush=True)
 
 
@@ -147,6 +149,7 @@ def main() -> None:
             curve_cb.seconds += time.perf_counter() - eval_start
             train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
             learn_start, curve_before = time.perf_counter(), curve_cb.seconds
+            cpu_start, curve_cpu_before = time.process_time(), curve_cb.cpu_seconds
             learn_mask(
                 model,
                 train,
@@ -160,6 +163,7 @@ def main() -> None:
             )
             curve = curve_cb.points
             learn_seconds = time.perf_counter() - learn_start - (curve_cb.seconds - curve_before)
+            learn_cpu = time.process_time() - cpu_start - (curve_cb.cpu_seconds - curve_cpu_before)
         else:
             raise SystemExit(f"unknown method {method!r}")
         seconds = time.perf_counter() - start - (curve_cb.seconds if method == "maskllm" else 0.0)
@@ -167,6 +171,7 @@ def main() -> None:
         rows[method] = {"ppl": heldout_ppl(model, tokenizer, args), "seconds": seconds, "curve": curve}
         if method == "maskllm":
             rows[method]["learning_seconds"] = learn_seconds
+            rows[method]["learning_cpu_seconds"] = learn_cpu
         print(method, json.dumps(rows[method]["ppl"]), f"{seconds:.0f}s", flush=True)
 
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
@@ -188,10 +193,11 @@ def main() -> None:
                 f"\n{corpus}: MaskLLM closes {(p0 - ml) / (p0 - d):.1%} of the gap between the prior it started "
                 f"from ({p0:.2f}, measured in this run) and dense ({d:.2f})."
             )
-        learning = rows["maskllm"]["learning_seconds"]
+        learning, cpu = rows["maskllm"]["learning_seconds"], rows["maskllm"]["learning_cpu_seconds"]
         lines.append(
-            f"\nMaskLLM: {learning:.0f} s of learning ({learning / max(args.steps, 1):.2f} s per step on average, "
-            "the whole schedule); its wall time above also includes building its prior."
+            f"\nMaskLLM: {learning:.0f} s of learning ({learning / max(args.steps, 1):.2f} s per step on average over "
+            f"the whole schedule; {cpu:.0f} CPU-seconds, {cpu / max(args.steps, 1):.2f} per step, on "
+            f"{torch.get_num_threads()} thread(s)); its wall time above also includes building its prior."
         )
     table = "\n".join(lines)
     print(table)
