@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument(
         "--train-data", default="wikipedia:train", help="texts to learn on (see hf_maskllm.data)"
     )
+    learn.add_argument(
+        "--mask-name",
+        default="default",
+        help="name of the learned mask; saved in <output>/mask/<name> unless 'default' (then <output>/mask)",
+    )
     learn.add_argument("--output", default="outputs/smollm2-2of4", help="where the mask and sparse model go")
     learn.add_argument("--seed", type=int, default=0)
     learn.add_argument("--no-merged", action="store_true", help="do not write the compressed sparse model")
@@ -116,11 +121,14 @@ def _continue(model, tokenizer, dense: bool = False) -> list[str]:
 def learn(args: argparse.Namespace) -> dict:
     """Run the main job; returns the results it prints and saves."""
     from . import MaskConfig, check_nm, get_mask_model
+    from .adapters.named_mask import check_mask_name
+    from .adapters.save_and_load import mask_folder
     from .data import calibration_tokens, causal_lm_dataset
     from .learn import learn_mask
     from .serialization import save_json
 
     _check_no_heldout(args.train_data)
+    check_mask_name(args.mask_name)  # before the slow steps
     torch.manual_seed(args.seed)
     out = Path(args.output)
     rows: list[tuple[str, dict[str, float], float]] = []
@@ -151,7 +159,7 @@ def learn(args: argparse.Namespace) -> dict:
             seqlen=args.calib_seqlen,
             seed=args.seed,
         )
-    mask_model = get_mask_model(model, config, calibration_data=calibration)
+    mask_model = get_mask_model(model, config, calibration_data=calibration, mask_name=args.mask_name)
     prior_time = time.perf_counter() - t0
     mask_model.eval()
     rows.append((f"prior ({args.prior})", _ppl(mask_model, tokenizer, args), prior_time))
@@ -185,7 +193,7 @@ def learn(args: argparse.Namespace) -> dict:
         | {"training_tokens": tokens, "prior": args.prior}
     )
     mask_model.save_pretrained(out / "mask", save_logits=args.save_logits)
-    print(f"\nmask saved to {out / 'mask'}")
+    print(f"\nmask {args.mask_name!r} saved to {mask_folder(out / 'mask', args.mask_name)}")
     if not args.no_merged:
         mask_model.save_pretrained(out / "sparse-model", merged=True, tokenizer=tokenizer)
         print(f"compressed {args.n}:{args.m} model saved to {out / 'sparse-model'}")

@@ -48,3 +48,41 @@ def test_main_job_on_smollm2(tmp_path, capsys):
     assert sample["dense"] != sample["sparse"]  # the dense continuation really ran without masks
     assert "repetition_penalty=1.3" in printed and f"dense:  {sample['dense'][0]!r}" in printed
     assert "loaded from" in printed
+
+
+def test_cli_refuses_an_invalid_mask_name_before_loading(tmp_path):
+    from hf_maskllm.cli import main
+    from hf_maskllm.errors import MaskLLMError
+
+    with pytest.raises(MaskLLMError, match="Invalid mask name 'a/b'"):
+        main(["learn", "--mask-name", "a/b", "--output", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path):
+    """`learn --prior <general mask> --train-data <domain file> --mask-name <name>` writes <output>/mask/<name>."""
+    from hf_maskllm import MaskModel
+    from hf_maskllm.cli import main
+    from hf_maskllm.embedded import load_smollm2
+
+    general = tmp_path / "general"
+    main(["learn", "--prior", "magnitude", "--steps", "1", "--eval-windows", "1", "--eval-seqlen", "64"]
+         + ["--seqlen", "64", "--no-merged", "--output", str(general)])  # fmt: skip
+    domain = tmp_path / "domain.jsonl"
+    texts = [
+        json.dumps({"text": line}) for line in open(json.__file__, encoding="utf-8").read().split("\n\n")
+    ]
+    domain.write_text("\n".join(texts), encoding="utf-8")
+    args = ["--prior", str(general / "mask"), "--train-data", str(domain), "--mask-name", "json-code"]
+    main(["learn", *args, "--steps", "1", "--eval-windows", "1", "--eval-seqlen", "64", "--seqlen", "64"]
+         + ["--no-merged", "--output", str(tmp_path / "task")])  # fmt: skip
+    assert (tmp_path / "task" / "mask" / "json-code" / "mask_config.json").is_file()
+    model, _ = load_smollm2()
+    served = MaskModel.from_pretrained(model, general / "mask", mask_name="general")
+    served.load_mask(tmp_path / "task" / "mask" / "json-code", mask_name="json-code")
+    assert served.mask_configs["json-code"].prior == str(general / "mask")
+    assert served.training_summary["optimizer_steps"] == 1  # the general mask's run
+    served.set_mask("json-code")
+    assert served.training_summary["optimizer_steps"] == 1 and served.training_summary["prior"] == str(
+        general / "mask"
+    )

@@ -1,9 +1,10 @@
-"""Learnable N:M mask adapters (PEFT-style): config, layer, model, callback."""
+"""Learnable N:M mask adapters (PEFT-style): config, layer, model with named masks, callback."""
 
 from .callback import MaskAnnealCallback
 from .config import MaskConfig
 from .layer import MaskedLinear
 from .mapping import get_mask_model
 from .model import MaskModel
+from .named_mask import MaskState
 
-__all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskedLinear", "get_mask_model"]
+__all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskState", "MaskedLinear", "get_mask_model"]

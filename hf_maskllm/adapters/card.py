@@ -26,14 +26,16 @@ def mask_model_card(
     targets: str | list[str],
     prior: str | None,
     summary: dict[str, Any],
+    mask_name: str = "default",
 ) -> str:
-    """Markdown with YAML front matter describing a learned N:M mask."""
+    """Markdown with YAML front matter describing a learned N:M mask (``mask_name``: its name in a MaskModel)."""
     lines = ["---", "library_name: hf_maskllm"]
     if base_model and is_hub_repo_id(base_model):  # the Hub validates this field: no local paths
         lines.append(f"base_model: {base_model}")
     lines += ["tags:", "- maskllm", "- sparsity", f"- {n}:{m}-sparsity", "---", ""]
     lines += [
-        f"# {n}:{m} sparsity mask{f' for {base_model}' if base_model else ''}",
+        f"# {n}:{m} sparsity mask{f' {mask_name!r}' if mask_name != 'default' else ''}"
+        f"{f' for {base_model}' if base_model else ''}",
         "",
         "A learned semi-structured sparsity mask made with hf_maskllm (MaskLLM,",
         f"learnable {n}:{m} masks sampled with Gumbel softmax, the model's weights frozen).",
@@ -41,6 +43,7 @@ def mask_model_card(
         "| | |",
         "|---|---|",
         f"| base model | {base_model or 'unknown'} |",
+        f"| mask name | {mask_name} |",
         f"| pattern | {n}:{m} (keep {n} of every {m} consecutive input weights) |",
         f"| masked layers | {num_layers} ({num_weights:,} weights) |",
         f"| targets | `{targets}` |",
@@ -58,8 +61,10 @@ def mask_model_card(
         "from hf_maskllm import MaskModel",
         "",
         f'base = AutoModelForCausalLM.from_pretrained("{base_model or "<base model>"}")',
-        'mask_model = MaskModel.from_pretrained(base, "<this folder or repo id>")',
+        f'mask_model = MaskModel.from_pretrained(base, "<this folder or repo id>", mask_name="{mask_name}")',
         "sparse = mask_model.merge_and_unload()  # plain transformers model, exactly N:M",
+        "# or, beside other masks of the same base model:",
+        f'# other_mask_model.load_mask("<this folder or repo id>", mask_name="{mask_name}")',
         "```",
         "",
     ]

@@ -36,6 +36,7 @@ __all__ = [
     "load_mask_config",
     "read_logits",
     "read_masks",
+    "read_packed_masks",
     "write_logits",
     "write_masks",
 ]
@@ -138,6 +139,14 @@ def read_masks(
     path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read and validate packed masks for exactly the layers in ``shapes``; returns indices and summary."""
+    _, indices, summary = read_packed_masks(path, shapes, n, m)
+    return indices, summary
+
+
+def read_packed_masks(
+    path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`read_masks` that also returns the validated packed bytes per layer (uint8, as stored)."""
     tensors, metadata = load_safetensors(path, error=MaskFileError, what="mask file")
     _check_header(path, metadata, n, m)
     stored = {k[: -len(".mask")] for k in tensors if k.endswith(".mask")}
@@ -163,6 +172,7 @@ def read_masks(
             f"{path}: the training summary fails its checksum; the file is corrupt, save it again."
         )
     out: dict[str, torch.Tensor] = {}
+    packed_out: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         stored_shape = tensors.get(f"{name}.shape")
         if (
@@ -187,6 +197,7 @@ def read_masks(
             out[name] = unpack_indices(packed, groups, math.comb(m, n))
         except MaskFileError as e:
             raise MaskFileError(f"{path}: layer {name}: {e}") from None
+        packed_out[name] = packed
     try:
         summary = json.loads(summary_json)
     except json.JSONDecodeError:
@@ -195,7 +206,7 @@ def read_masks(
         raise MaskFileError(
             f"{path}: the training summary is not a JSON object; the file is corrupt, save it again."
         )
-    return out, summary
+    return packed_out, out, summary
 
 
 def write_logits(path: Path, logits: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,9 @@
-"""``MaskModel``: inject mask adapters, save / load / push, merge.
+"""``MaskModel``: a transformers model with named N:M masks over its linear layers (PEFT's multi-adapter API).
 
-Layout follows PEFT: the wrapper holds the transformers model as ``base_model``, swaps each
-targeted layer for a :class:`MaskedLinear` in place, and forwards every other attribute.
+The wrapper holds the transformers model as ``base_model``, swaps each targeted layer for a
+:class:`MaskedLinear` in place (``wrapping.py``) and forwards every other attribute. It holds one or
+more named masks over the same layers (``named_mask.py``); the active one's logits are the layers'
+``mask_logits``. Priors: ``prior_init.py``; saving and loading: ``save_and_load.py``; merging: ``merge.py``.
 """
 
 from __future__ import annotations
@@ -17,56 +19,57 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError, MaskFileError, MaskLLMError, NMViolationError, TargetError
-from ..modules import dense_weight_view, is_conv1d
-from ..patterns import candidate_patterns, mask_to_indices
-from ..serialization import atomic_folder, atomic_write, resolve_folder
-from .card import mask_model_card
-from .config import CONFIG_NAME, MaskConfig
+from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
+from ..modules import dense_weight_view
+from ..patterns import candidate_patterns, num_candidates
+from .config import MaskConfig
 from .layer import MaskedLinear
-from .mask_file import (
-    LOGITS_NAME,
-    MASKS_NAME,
-    load_mask_config,
-    read_logits,
-    read_masks,
-    write_logits,
-    write_masks,
+from .merge import merge_layers, merged_view
+from .named_mask import DEFAULT_MASK_NAME, MaskState, NamedMask, check_mask_name
+from .packing import unpack_indices
+from .prior_init import hard_logits, prior_logits, prior_masks, random_logits
+from .save_and_load import (
+    logits_from_saved,
+    read_config,
+    read_saved_mask,
+    resolve_mask_folder,
+    save_masks,
 )
-from .packing import bits_per_weight
 from .targets import find_targets
+from .wrapping import unwrapped, wrap_layers
 
 __all__ = ["MaskModel"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _split_name(name: str) -> tuple[str, str]:
-    parent, _, child = name.rpartition(".")
-    return parent, child
-
 
 class MaskModel(nn.Module):
-    """A transformers model whose targeted linears carry learnable N:M masks.
+    """A transformers model whose targeted linears carry learnable N:M masks, one or more, by name.
 
-    Only ``mask_logits`` are trainable. ``state_dict()`` holds just those logits (the frozen
-    weights belong to the base model), so Trainer checkpoints stay small and resume exactly.
+    The first mask is named ``"default"`` (``mask_name`` changes it). Only the active mask's logits
+    are parameters of the model: ``state_dict()`` holds just those (the frozen weights belong to the
+    base model, inactive masks are held aside), so Trainer checkpoints stay small and resume exactly.
     """
 
-    def __init__(self, model: nn.Module, config: MaskConfig, targets: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: MaskConfig,
+        targets: list[str] | None = None,
+        mask_name: str = DEFAULT_MASK_NAME,
+    ) -> None:
         super().__init__()
         if isinstance(model, MaskModel) or any(isinstance(mod, MaskedLinear) for mod in model.modules()):
-            raise MaskLLMError("This model already carries mask adapters; pass the plain transformers model.")
+            raise MaskLLMError(
+                "This model already carries mask adapters; pass the plain transformers model, or add another mask "
+                "to its MaskModel with add_mask / load_mask."
+            )
+        check_mask_name(mask_name)
         config.validate()
         if config.base_model_name_or_path is None:
             config.base_model_name_or_path = (
                 getattr(getattr(model, "config", None), "_name_or_path", None) or None
             )
         self.base_model = model
-        self.mask_config = config
-        self.training_summary: dict[str, Any] = {}
         self.sparse_reg_weight = 0.0  # lambda * (1 - t/T); set by MaskAnnealCallback
         self.grad_accum_steps = 1  # divisor of the regulariser, set by MaskAnnealCallback (see forward)
         self.last_sparse_reg_term: torch.Tensor | None = None
@@ -78,17 +81,14 @@ class MaskModel(nn.Module):
         )
         for p in model.parameters():
             p.requires_grad_(False)
-        generator = torch.Generator().manual_seed(config.seed)
-        dtype = _DTYPES[config.logits_dtype]
-        candidates = config.num_candidates
-        for name in names:
-            parent_name, child_name = _split_name(name)
-            parent = model.get_submodule(parent_name)
-            base = getattr(parent, child_name)
-            out_f, in_f = dense_weight_view(base).shape
-            logits = torch.randn(out_f * in_f // config.m, candidates, generator=generator) * config.init_std
-            setattr(parent, child_name, MaskedLinear(base, config.n, config.m, logits.to(dtype)))
+        shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in names}
+        wrap_layers(model, random_logits(config, shapes), config.n, config.m)
         self.masked_names = list(names)
+        layers = self.masked_layers()
+        self._masks: dict[str, NamedMask] = {
+            mask_name: NamedMask(config, trainable=True, logits={k: v.mask_logits for k, v in layers.items()})
+        }
+        self._active = mask_name
         self.set_schedule_values(config.tau[0], config.kappa[0])
         # Trainer keeps only dataset columns named in forward's signature: show the base model's.
         self._install_forward_signature()
@@ -98,7 +98,7 @@ class MaskModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("base_model", "_modules", "_parameters", "_buffers"):
+            if name in ("base_model", "_modules", "_parameters", "_buffers", "_masks"):
                 raise
             return getattr(self._modules["base_model"], name)
 
@@ -117,7 +117,8 @@ class MaskModel(nn.Module):
         self.__dict__["forward"] = types.MethodType(func, self)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the base model; in training add the sparse weight regulariser to ``loss``."""
+        """Run the base model with the active mask; in training the sparse weight regulariser joins the
+        gradient of ``loss`` while its value stays the language-model loss."""
         track = self.training and self.sparse_reg_weight > 0
         layers = list(self.masked_layers().values())
         for layer in layers:
@@ -145,7 +146,9 @@ class MaskModel(nn.Module):
                 total = sum(r.to(outputs.loss.device) for r in regs)  # layers may sit on several devices
                 term = -self.sparse_reg_weight * total
                 self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
-                outputs.loss = outputs.loss + term.to(outputs.loss.dtype) / divisor
+                # term - term.detach() is zero in value and carries the term's gradient: the logged loss is
+                # the language-model loss, the logits' gradient includes the regulariser.
+                outputs.loss = outputs.loss + (term - term.detach()).to(outputs.loss.dtype) / divisor
             for layer in layers:
                 layer.last_sparse_reg = None
         return outputs
@@ -153,7 +156,7 @@ class MaskModel(nn.Module):
     forward = _forward
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``base_model.generate`` with the current masks (hard masks in eval mode)."""
+        """``base_model.generate`` with the active mask (hard masks in eval mode)."""
         return self.base_model.generate(*args, **kwargs)
 
     def get_base_model(self) -> nn.Module:
@@ -194,9 +197,215 @@ class MaskModel(nn.Module):
             for layer in layers:
                 layer.masking_enabled = True
 
+    # ------------------------------------------------------------------ named masks
+    @property
+    def active_mask(self) -> str:
+        """Name of the mask the forward uses (and the only one that trains)."""
+        return self._active
+
+    @property
+    def mask_config(self) -> MaskConfig:
+        """The active mask's config."""
+        return self._masks[self._active].config
+
+    @property
+    def mask_configs(self) -> dict[str, MaskConfig]:
+        """``{mask name: config}`` of every mask (PEFT's ``peft_config``)."""
+        return {name: mask.config for name, mask in self._masks.items()}
+
+    @property
+    def training_summary(self) -> dict[str, Any]:
+        """The active mask's training summary (saved with it)."""
+        return self._masks[self._active].summary
+
+    @training_summary.setter
+    def training_summary(self, value: dict[str, Any]) -> None:
+        self._masks[self._active].summary = dict(value)
+
+    def list_masks(self) -> list[str]:
+        """Names of every mask, in the order they were added."""
+        return list(self._masks)
+
+    def add_mask(
+        self,
+        mask_name: str,
+        config: MaskConfig,
+        calibration_data: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """Add a new trainable mask over the same layers, initialised from ``config.prior``; not activated.
+
+        ``config.prior`` works as in :func:`~hf_maskllm.get_mask_model`: a one-shot method (calibrated on
+        the dense base model with ``calibration_data``), or a saved mask folder / Hub repo id (transfer
+        learning). Activate it with :meth:`set_mask` before training it.
+        """
+        self._check_new_name(mask_name)
+        if not isinstance(config, MaskConfig):
+            raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
+        config.validate()
+        self._check_compatible(mask_name, config, "MaskConfig")
+        layers = self.masked_layers()
+        with unwrapped(self.base_model, layers) as model:
+            targets = find_targets(
+                model, config.target_modules, config.exclude_modules, config.m, config.strict
+            )
+            self._check_same_layers(mask_name, targets, "its target_modules / exclude_modules")
+            if config.base_model_name_or_path is None:
+                config.base_model_name_or_path = self.mask_configs[self._active].base_model_name_or_path
+            masks = prior_masks(model, config, self.masked_names, calibration_data, tokenizer)
+        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+        devices = {name: layer.mask_logits.device for name, layer in layers.items()}
+        logits = random_logits(config, shapes, devices)
+        if masks is not None:
+            for name, layer_mask in masks.items():
+                logits[name] = prior_logits(
+                    logits[name], layer_mask.to(devices[name]), config.n, config.m, config.prior_strength,
+                    config.init_std,
+                )  # fmt: skip
+        self._masks[mask_name] = NamedMask(
+            config,
+            trainable=True,
+            logits={k: nn.Parameter(v, requires_grad=False) for k, v in logits.items()},
+        )
+
+    def load_mask(
+        self,
+        name_or_path: str | os.PathLike,
+        mask_name: str,
+        is_trainable: bool = False,
+        revision: str | None = None,
+        subfolder: str | None = None,
+        keep_logits: bool = False,
+    ) -> None:
+        """Load a saved mask (folder or Hub repo id) under ``mask_name``, beside the others; not activated.
+
+        ``is_trainable=False`` holds it as a packed hard mask while inactive (0.647 bit per weight for
+        2:4) and decodes it on :meth:`set_mask`; ``keep_logits=True`` keeps its logits instead, so that
+        switching to it only moves references. ``subfolder``: a mask saved in a subfolder of the repo.
+        """
+        self._check_new_name(mask_name)
+        folder = resolve_mask_folder(name_or_path, revision, subfolder)
+        config = read_config(folder)
+        self._check_compatible(mask_name, config, f"the mask in {folder}")
+        layers = self.masked_layers()
+        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+        try:
+            saved = read_saved_mask(folder, config, shapes)
+        except MaskFileError as e:
+            raise MaskFileError(f"Mask {mask_name!r}: {e}") from None
+        mask = NamedMask(config, trainable=is_trainable, summary=saved.summary, keep_logits=keep_logits)
+        if is_trainable or keep_logits:
+            load_config = MaskConfig.from_dict({**config.to_dict(), "prior": None})
+            devices = {name: layer.mask_logits.device for name, layer in layers.items()}
+            logits = logits_from_saved(saved, random_logits(load_config, shapes, devices))
+            mask.logits = {k: nn.Parameter(v, requires_grad=False) for k, v in logits.items()}
+        if not is_trainable:
+            mask.packed = saved.packed
+        self._masks[mask_name] = mask
+
+    def set_mask(self, mask_name: str) -> None:
+        """Make ``mask_name`` the active mask: the forward uses it, and it alone trains (when trainable).
+
+        Moves parameter references only (no weight is copied); a packed mask is decoded first. Switch
+        before a Trainer, DDP or FSDP wraps the model: they hold the active parameters.
+        """
+        self._check_not_merged()
+        if mask_name not in self._masks:
+            raise MaskLLMError(
+                f"No mask named {mask_name!r}; this model holds {self.list_masks()}. Add it with add_mask or "
+                "load_mask first."
+            )
+        layers = self.masked_layers()
+        new = self._masks[mask_name]
+        if mask_name != self._active:
+            logits = new.logits if new.logits is not None else self._decode(new, layers)
+            old = self._masks[self._active]
+            old.logits = None if old.packs_when_inactive else {k: v.mask_logits for k, v in layers.items()}
+            for name, layer in layers.items():
+                layer.mask_logits.requires_grad_(False)
+                param = logits[name]
+                if param.device != layer.mask_logits.device:  # the model moved while this mask was aside
+                    param = nn.Parameter(param.detach().to(layer.mask_logits.device), requires_grad=False)
+                layer.mask_logits = param
+                layer.train(layer.training)  # drops the hard mask cached for the previous logits
+            new.logits = {k: v.mask_logits for k, v in layers.items()}
+            self._active = mask_name
+            self.set_schedule_values(new.config.tau[0], new.config.kappa[0])
+        for layer in layers.values():
+            layer.mask_logits.requires_grad_(new.trainable)
+
+    def delete_mask(self, mask_name: str) -> None:
+        """Remove an inactive mask (the active one is refused: switch first)."""
+        if mask_name not in self._masks:
+            raise MaskLLMError(f"No mask named {mask_name!r}; this model holds {self.list_masks()}.")
+        if mask_name == self._active:
+            raise MaskLLMError(
+                f"Mask {mask_name!r} is the active mask and cannot be deleted; activate another one with "
+                f"set_mask (masks: {self.list_masks()}), then delete it."
+            )
+        del self._masks[mask_name]
+
+    def mask_state(self, mask_name: str | None = None) -> MaskState:
+        """Where a mask stands (``"active"``, ``"logits"`` or ``"packed"``) and its bytes in memory."""
+        name = self._active if mask_name is None else mask_name
+        if name not in self._masks:
+            raise MaskLLMError(f"No mask named {name!r}; this model holds {self.list_masks()}.")
+        mask = self._masks[name]
+        layers = self.masked_layers()
+        weights = sum(layer.in_features * layer.out_features for layer in layers.values())
+        if name == self._active:
+            state, tensors = "active", [layer.mask_logits for layer in layers.values()]
+        elif mask.logits is not None:
+            state, tensors = "logits", list(mask.logits.values())
+        else:
+            state, tensors = "packed", list(mask.packed.values())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return MaskState(state, nbytes, 8 * nbytes / max(weights, 1))
+
+    def _check_new_name(self, mask_name: str) -> None:
+        self._check_not_merged()
+        check_mask_name(mask_name)
+        if mask_name in self._masks:
+            raise MaskLLMError(
+                f"A mask named {mask_name!r} exists already (masks: {self.list_masks()}); pick another name, or "
+                "delete_mask it first."
+            )
+
+    def _check_compatible(self, mask_name: str, config: MaskConfig, what: str) -> None:
+        ours = self.mask_config
+        if (config.n, config.m) != (ours.n, ours.m):
+            raise MaskLLMError(
+                f"Mask {mask_name!r}: {what} is {config.n}:{config.m} but this MaskModel's masks are "
+                f"{ours.n}:{ours.m}; every mask of one MaskModel shares the N:M of its layers. Use a "
+                f"{ours.n}:{ours.m} mask, or wrap the base model in a separate MaskModel."
+            )
+
+    def _check_same_layers(self, mask_name: str, targets: list[str], what: str) -> None:
+        if targets != self.masked_names:
+            missing = sorted(set(self.masked_names) - set(targets))
+            extra = sorted(set(targets) - set(self.masked_names))
+            raise MaskLLMError(
+                f"Mask {mask_name!r}: {what} select other layers than this MaskModel's masks (missing "
+                f"{missing[:3]}, extra {extra[:3]}); every mask of one MaskModel covers the same layers. Use the "
+                f"active mask's target_modules ({self.mask_config.target_modules!r})."
+            )
+
+    def _decode(self, mask: NamedMask, layers: dict[str, MaskedLinear]) -> dict[str, torch.Tensor]:
+        """One-hot logits of a packed mask's hard mask, on each layer's device."""
+        cfg = mask.config
+        c = num_candidates(cfg.n, cfg.m)
+        dtype = next(iter(layers.values())).mask_logits.dtype
+        out = {}
+        for name, layer in layers.items():
+            idx = unpack_indices(mask.packed[name], layer.out_features * layer.in_features // cfg.m, c)
+            out[name] = nn.Parameter(
+                hard_logits(idx, c, dtype, layer.mask_logits.device), requires_grad=False
+            )
+        return out
+
     # ------------------------------------------------------------------ state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Only the trainable mask logits (what a Trainer checkpoint needs to resume)."""
+        """Only the active mask's logits (what a Trainer checkpoint needs to resume)."""
         full = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         for key in [k for k in full if k.startswith(prefix) and not k.endswith(".mask_logits")]:
@@ -204,7 +413,7 @@ class MaskModel(nn.Module):
         return full
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
-        """``(trainable, all)`` parameter counts, like PEFT."""
+        """``(trainable, all)`` parameter counts, like PEFT (inactive masks are not parameters)."""
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         return trainable, total
@@ -216,27 +425,48 @@ class MaskModel(nn.Module):
         print(
             f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
             f" || masked weights: {masked:,} in {len(self.masked_names)} layers ({self.mask_config.n}:{self.mask_config.m})"
+            f" || active mask: {self._active!r} of {len(self._masks)}"
         )
 
     @torch.no_grad()
-    def hard_masks(self) -> dict[str, torch.Tensor]:
-        """The exact N:M bool mask ``[out, in]`` of every masked layer."""
-        return {name: layer.hard_mask().clone() for name, layer in self.masked_layers().items()}
+    def hard_masks(self, mask_name: str | None = None) -> dict[str, torch.Tensor]:
+        """The exact N:M bool mask ``[out, in]`` of every masked layer (of the active mask by default)."""
+        if mask_name is None or mask_name == self._active:
+            return {name: layer.hard_mask().clone() for name, layer in self.masked_layers().items()}
+        cfg = self._masks[mask_name].config
+        cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool)
+        layers = self.masked_layers()
+        return {
+            name: cand[idx].reshape(layers[name].out_features, layers[name].in_features)
+            for name, idx in self.hard_indices(mask_name).items()
+        }
 
     @torch.no_grad()
-    def hard_indices(self) -> dict[str, torch.Tensor]:
-        """Candidate index (argmax) of every group of every masked layer."""
-        return {name: layer.mask_logits.argmax(dim=-1) for name, layer in self.masked_layers().items()}
+    def hard_indices(self, mask_name: str | None = None) -> dict[str, torch.Tensor]:
+        """Candidate index (argmax) of every group of every masked layer (of the active mask by default)."""
+        layers = self.masked_layers()
+        if mask_name is None or mask_name == self._active:
+            return {name: layer.mask_logits.argmax(dim=-1) for name, layer in layers.items()}
+        if mask_name not in self._masks:
+            raise MaskLLMError(f"No mask named {mask_name!r}; this model holds {self.list_masks()}.")
+        mask = self._masks[mask_name]
+        if mask.logits is not None:
+            return {name: t.argmax(dim=-1).cpu() for name, t in mask.logits.items()}
+        c = num_candidates(mask.config.n, mask.config.m)
+        return {
+            name: unpack_indices(
+                mask.packed[name], layer.out_features * layer.in_features // mask.config.m, c
+            )
+            for name, layer in layers.items()
+        }
 
     # ------------------------------------------------------------------ prior
     @torch.no_grad()
     def apply_prior(self, masks: dict[str, torch.Tensor], strength: float | None = None) -> None:
-        """Initialise logits from N:M masks (``[out, in]`` bool per layer name).
+        """Initialise the active mask's logits from N:M masks (``[out, in]`` bool per layer name).
 
-        ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (REFERENCE section 1).
-        The prior's candidate then leads every group; where the random init noise would still beat
-        it (a few percent of groups at alpha = 3), its logit is raised just above the group's maximum,
-        so the initial hard mask equals the prior exactly.
+        ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (REFERENCE section 1); the
+        initial hard mask then equals the prior exactly (``prior_init.prior_logits``).
         """
         cfg = self.mask_config
         alpha = cfg.prior_strength if strength is None else float(strength)
@@ -255,25 +485,7 @@ class MaskModel(nn.Module):
                     f"Prior mask for {name} has shape {tuple(mask.shape)}, the layer is "
                     f"{(layer.out_features, layer.in_features)} ([out, in])."
                 )
-            prior_idx = mask_to_indices(mask.bool(), cfg.n, cfg.m)  # validates exact N:M
-            logits = layer.mask_logits.float()
-            cand = candidate_patterns(cfg.n, cfg.m, device=logits.device)
-            overlap = mask.reshape(-1, cfg.m).float() @ cand.t()  # [G, C]
-            std = logits.std() if logits.numel() > 1 else logits.new_tensor(cfg.init_std)
-            logits += alpha * std * (overlap - cfg.n / 2)
-            lead = logits.gather(1, prior_idx[:, None]).squeeze(1)
-            best = logits.max(dim=1).values
-            losers = logits.argmax(dim=1) != prior_idx
-            margin = max(float(std) * 1e-3, 1e-6)
-            logits[losers, prior_idx[losers]] = torch.maximum(lead[losers], best[losers]) + margin
-            logits = logits.to(layer.mask_logits.dtype)
-            # Rounding to bf16 / fp16 can tie or reorder close logits: lift those prior logits to the next
-            # representable value above their group's maximum.
-            losers = logits.argmax(dim=1) != prior_idx
-            if bool(losers.any()):
-                best = logits[losers].max(dim=1).values
-                logits[losers, prior_idx[losers]] = torch.nextafter(best, torch.full_like(best, float("inf")))
-            layer.mask_logits.copy_(logits)
+            layer.mask_logits.copy_(prior_logits(layer.mask_logits, mask, cfg.n, cfg.m, alpha, cfg.init_std))
 
     # ------------------------------------------------------------------ save / load / share
     def save_pretrained(
@@ -284,25 +496,29 @@ class MaskModel(nn.Module):
         dense: bool = False,
         tokenizer: Any = None,
         state_dict: dict[str, torch.Tensor] | None = None,
+        selected_masks: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Save the mask (config, packed hard masks, optional logits, model card) to a folder.
+        """Save every mask (or ``selected_masks``): config, packed hard masks, optional logits, model card.
 
-        ``merged=True`` instead writes the sparse model itself as a compressed N:M checkpoint
-        (``dense=True``: a plain transformers checkpoint with zeros) that ``from_pretrained`` loads.
-        ``state_dict``: save these logits (keyed as ``state_dict()`` keys them) instead of the layers' own;
-        under FSDP, where each process holds a shard of them, the full state dict that
-        ``accelerator.get_state_dict(model)`` gathers on every process (the main process then saves).
+        The mask named ``"default"`` goes into ``save_directory`` itself, every other one into
+        ``save_directory/<mask name>`` (PEFT's layout). ``merged=True`` instead writes the sparse model
+        with the active mask as a compressed N:M checkpoint (``dense=True``: a plain transformers
+        checkpoint with zeros) that ``from_pretrained`` loads. ``state_dict``: the active mask's logits
+        keyed as ``state_dict()`` keys them, used instead of the layers' own; under FSDP, where each
+        process holds a shard of them, the full state dict that ``accelerator.get_state_dict(model)``
+        gathers on every process (the main process then saves).
         """
         if merged:
-            if state_dict is not None:
+            if state_dict is not None or selected_masks is not None:
                 raise ConfigError(
-                    "state_dict applies to mask saves only; for a merged checkpoint, load the saved mask into an "
-                    "unsharded model (MaskModel.from_pretrained) and save that."
+                    "state_dict and selected_masks apply to mask saves only; a merged checkpoint holds the active "
+                    "mask. For a sharded model, load the saved mask into an unsharded model "
+                    "(MaskModel.from_pretrained) and save that."
                 )
             from ..sparse.checkpoint import save_compressed
 
-            with self._merged_view() as model:
+            with merged_view(self.base_model, self.masked_layers()) as model:
                 save_compressed(
                     model,
                     save_directory,
@@ -318,90 +534,15 @@ class MaskModel(nn.Module):
         if kwargs:
             raise ConfigError(f"Unexpected arguments for a mask save: {sorted(kwargs)}.")
         self._check_not_merged()
-        layers = self.masked_layers()
-        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
-        if state_dict is None:
-            logits = {name: layer.mask_logits.detach() for name, layer in layers.items()}
-            self._refuse_sharded(logits)
-        else:
-            logits = self._logits_from_state_dict(state_dict)
-        for name, tensor in logits.items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise MaskLLMError(
-                    f"Logits of {name} contain NaN or inf (training diverged); refusing to save a corrupt mask. "
-                    "Resume from an earlier checkpoint with a lower learning rate."
-                )
-        if state_dict is None:
-            indices = {name: idx.cpu() for name, idx in self.hard_indices().items()}
-        else:
-            indices = {name: tensor.argmax(dim=-1) for name, tensor in logits.items()}
-        # The whole folder is built beside the target and swapped in at once: a crash leaves the previous
-        # save intact, and stale logits of an earlier save never sit beside the new masks.
-        with atomic_folder(save_directory, drop=lambda name: name == LOGITS_NAME, last=CONFIG_NAME) as folder:
-            # write_masks verifies the N:M invariant (one candidate index in [0, C) per group) first.
-            write_masks(
-                folder / MASKS_NAME,
-                indices,
-                shapes,
-                self.mask_config.n,
-                self.mask_config.m,
-                self.training_summary,
-            )
-            if save_logits:
-                write_logits(folder / LOGITS_NAME, {name: tensor.cpu() for name, tensor in logits.items()})
-            self.mask_config.save_pretrained(folder)
-            with atomic_write(folder / "README.md", "w") as f:
-                f.write(mask_model_card(**self._card_fields()))
-
-    @staticmethod
-    def _refuse_sharded(logits: dict[str, torch.Tensor]) -> None:
-        if any(isinstance(tensor, DTensor) for tensor in logits.values()):
-            raise MaskLLMError(
-                "The mask logits are sharded across processes (FSDP): gather them on every process with "
-                "`state_dict = trainer.accelerator.get_state_dict(trainer.model)`, then save on the main process "
-                "with `mask_model.save_pretrained(folder, state_dict=state_dict)`."
-            )
-
-    def _logits_from_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every masked layer's full logits (CPU) out of a state dict keyed like ``state_dict()``."""
-        logits = {}
-        for name, layer in self.masked_layers().items():
-            key = f"base_model.{name}.mask_logits"
-            tensor = state_dict.get(key)
-            if tensor is None:
-                raise ConfigError(
-                    f"state_dict lacks {key}: pass the full state dict of this MaskModel (on the main process, "
-                    "what accelerator.get_state_dict(model) returns under FSDP)."
-                )
-            self._refuse_sharded({name: tensor})
-            if tuple(tensor.shape) != tuple(layer.mask_logits.shape):
-                raise ConfigError(
-                    f"state_dict[{key!r}] has shape {tuple(tensor.shape)}, the layer's logits "
-                    f"{tuple(layer.mask_logits.shape)}: pass the full (gathered) state dict, not one shard."
-                )
-            logits[name] = tensor.detach().cpu()
-        return logits
-
-    def _card_fields(self) -> dict[str, Any]:
-        cfg = self.mask_config
-        layers = self.masked_layers()
-        return {
-            "base_model": cfg.base_model_name_or_path,
-            "n": cfg.n,
-            "m": cfg.m,
-            "num_layers": len(layers),
-            "num_weights": sum(layer.in_features * layer.out_features for layer in layers.values()),
-            "bits_per_weight": bits_per_weight(cfg.n, cfg.m),
-            "targets": cfg.target_modules,
-            "prior": cfg.prior,
-            "summary": dict(self.training_summary),
-        }
+        save_masks(self, save_directory, selected_masks, save_logits, state_dict)
 
     def _merged_card_fields(self) -> dict[str, Any]:
         cfg = self.mask_config
         fields: dict[str, Any] = {}
         if cfg.base_model_name_or_path:
             fields["base_model"] = cfg.base_model_name_or_path
+        if self._active != DEFAULT_MASK_NAME:
+            fields["mask"] = self._active
         fields["how the mask was learned"] = (
             f"MaskLLM (hf_maskllm): learnable {cfg.n}:{cfg.m} masks sampled with Gumbel softmax, weights frozen; "
             f"prior: {cfg.prior or 'none'}"
@@ -418,10 +559,9 @@ class MaskModel(nn.Module):
         revision: str | None = None,
         **save_kwargs: Any,
     ) -> str:
-        """Save to a temporary folder and upload it to the Hub repo ``repo_id``; returns the commit URL.
-
-        The save (and its N:M verification) completes before the repo is created; the upload is one commit.
-        """
+        """Save (every mask, or ``selected_masks=[...]``) to a temporary folder and upload it to the Hub repo
+        ``repo_id`` in one commit; returns the commit URL. The save (and its N:M verification) completes
+        before the repo is created."""
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
@@ -440,27 +580,19 @@ class MaskModel(nn.Module):
         name_or_path: str | os.PathLike,
         is_trainable: bool = False,
         revision: str | None = None,
+        mask_name: str = DEFAULT_MASK_NAME,
+        subfolder: str | None = None,
+        keep_logits: bool = False,
     ) -> MaskModel:
-        """Attach a saved mask (folder or Hub repo id) to ``model``; restores exactly the saved hard masks.
+        """Attach a saved mask (folder or Hub repo id) to ``model`` as ``mask_name``; restores exactly the
+        saved hard masks. Add more masks with :meth:`load_mask`.
 
         With saved logits those are restored too (to resume or transfer); otherwise logits are
-        initialised from the hard mask with the prior rule. ``is_trainable=False`` freezes the
-        logits and puts the model in eval mode.
+        initialised from the hard mask with the prior rule. ``is_trainable=False`` freezes the logits,
+        puts the model in eval mode, and holds the mask packed whenever another one is active.
         """
-        folder = resolve_folder(
-            name_or_path,
-            [CONFIG_NAME, MASKS_NAME],
-            [LOGITS_NAME, "README.md"],
-            MaskFileError,
-            "mask folder",
-            revision,
-        )
-        config = load_mask_config(folder)
-        if not -(2**63) <= config.seed < 2**64:  # torch.Generator.manual_seed's range
-            raise MaskFileError(
-                f"{folder / CONFIG_NAME}: seed={config.seed} is outside [-2**63, 2**64); the file is corrupt. "
-                "Fix the field or save the mask again."
-            )
+        folder = resolve_mask_folder(name_or_path, revision, subfolder)
+        config = read_config(folder)
         load_config = MaskConfig.from_dict({**config.to_dict(), "prior": None})
         try:
             targets = find_targets(
@@ -473,41 +605,20 @@ class MaskModel(nn.Module):
                 "learned on."
             ) from None
         shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
-        indices, summary = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
-        mask_model = cls(model, load_config, targets)
+        saved = read_saved_mask(folder, config, shapes)
+        mask_model = cls(model, load_config, targets, mask_name=mask_name)
         mask_model.mask_config.prior = config.prior
-        mask_model.training_summary = summary
-        if (folder / LOGITS_NAME).is_file():
-            groups_c = {name: (s[0] * s[1] // config.m, config.num_candidates) for name, s in shapes.items()}
-            logits = read_logits(folder / LOGITS_NAME, groups_c)
-            with torch.no_grad():
-                for name, layer in mask_model.masked_layers().items():
-                    layer.mask_logits.copy_(logits[name].to(layer.mask_logits.dtype))
-            restored = mask_model.hard_indices()
-            if any(not torch.equal(restored[k].cpu(), indices[k]) for k in indices):
-                raise MaskFileError(
-                    f"{folder}: the saved logits disagree with the saved hard masks; the folder is corrupt. Save the "
-                    f"mask again, or delete {LOGITS_NAME} to load the hard masks alone."
-                )
-        else:
-            cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
-            masks = {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}
-            mask_model.apply_prior(masks, strength=max(config.prior_strength, 1.0))
-            # Verify after reading: the model now holds exactly the saved (N:M) hard masks.
-            restored = mask_model.hard_indices()
-            layers = mask_model.masked_layers()
-            if any(
-                not bool(torch.isfinite(layers[k].mask_logits).all())
-                or not torch.equal(restored[k].cpu(), indices[k])
-                for k in indices
-            ):
-                raise MaskFileError(
-                    f"{folder / CONFIG_NAME}: rebuilding logits from the saved hard masks with init_std="
-                    f"{config.init_std}, prior_strength={config.prior_strength}, logits_dtype={config.logits_dtype} "
-                    "overflows; the config is corrupt. Fix these fields or save the mask again."
-                )
+        mask_model.training_summary = saved.summary
+        layers = mask_model.masked_layers()
+        logits = logits_from_saved(saved, {name: layer.mask_logits for name, layer in layers.items()})
+        with torch.no_grad():
+            for name, layer in layers.items():
+                layer.mask_logits.copy_(logits[name])
+        mask = mask_model._masks[mask_name]
+        mask.trainable, mask.keep_logits = is_trainable, keep_logits
         if not is_trainable:
-            for layer in mask_model.masked_layers().values():
+            mask.packed = saved.packed
+            for layer in layers.values():
                 layer.mask_logits.requires_grad_(False)
             mask_model.eval()
         return mask_model
@@ -520,43 +631,13 @@ class MaskModel(nn.Module):
                 "MaskModel is empty. Use the model merge_and_unload() returned."
             )
 
-    @contextlib.contextmanager
-    def _merged_view(self) -> Iterator[nn.Module]:
-        """Temporarily put plain layers with ``W * hard_mask`` in place of the masked layers."""
-        layers = self.masked_layers()
-        originals = {}
-        try:
-            for name, layer in layers.items():
-                parent_name, child_name = _split_name(name)
-                base = layer.base_layer
-                originals[name] = base.weight.data
-                masked = dense_weight_view(base) * layer.hard_mask().to(base.weight.dtype)  # [out, in]
-                base.weight.data = masked.t().contiguous() if is_conv1d(base) else masked
-                setattr(self.base_model.get_submodule(parent_name), child_name, base)
-            yield self.base_model
-        finally:
-            for name, layer in layers.items():
-                parent_name, child_name = _split_name(name)
-                if name in originals:
-                    layer.base_layer.weight.data = originals[name]
-                setattr(self.base_model.get_submodule(parent_name), child_name, layer)
-
     def merge_and_unload(self) -> nn.Module:
-        """Write ``W * hard_mask`` into every masked layer and return the plain transformers model.
+        """Write ``W * hard_mask`` of the active mask into every masked layer and return the plain model.
 
-        Every hard mask is verified to keep at most ``n`` of each ``m`` inputs before any weight is written.
+        Every hard mask is verified to keep at most ``n`` of each ``m`` inputs before any weight is
+        written. The other masks are dropped with the wrappers.
         """
-        layers = self.masked_layers()
-        n, m = self.mask_config.n, self.mask_config.m
-        for name, layer in layers.items():
-            kept = layer.hard_mask().reshape(-1, m).sum(dim=1)
-            if bool((kept > n).any()):
-                raise NMViolationError(
-                    f"The hard mask of {name} keeps more than {n} of {m} weights in {int((kept > n).sum())} groups; "
-                    "refusing to merge a mask that is not N:M. Its logits are corrupt: reload the mask."
-                )
-        for name, layer in layers.items():
-            parent_name, child_name = _split_name(name)
-            setattr(self.base_model.get_submodule(parent_name), child_name, layer.merge())
+        cfg = self.mask_config
+        merge_layers(self.base_model, self.masked_layers(), cfg.n, cfg.m)
         self._merged = True
         return self.base_model

@@ -1,0 +1,141 @@
+"""Initial mask logits: random init, the prior rule, and a config's prior resolved to hard masks.
+
+Every mask of a :class:`~hf_maskllm.MaskModel` starts here: ``random_logits`` draws the normal
+init, ``prior_masks`` turns ``MaskConfig.prior`` (a one-shot method on calibration data, or a saved
+mask: transfer learning) into N:M hard masks, and ``prior_logits`` applies the MaskLLM prior rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, MaskFileError
+from ..modules import dense_weight_view
+from ..patterns import candidate_patterns, mask_to_indices
+from ..serialization import resolve_folder
+from .config import CONFIG_NAME, MaskConfig
+from .mask_file import MASKS_NAME, load_mask_config, read_masks
+
+__all__ = ["TORCH_DTYPES", "hard_logits", "prior_logits", "prior_masks", "random_logits", "saved_mask_prior"]
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def random_logits(
+    config: MaskConfig, shapes: dict[str, tuple[int, int]], device: dict[str, torch.device] | None = None
+) -> dict[str, torch.Tensor]:
+    """``N(0, init_std)`` logits ``[out * in / m, C]`` per layer, seeded by ``config.seed``, in ``shapes`` order."""
+    generator = torch.Generator().manual_seed(config.seed)
+    dtype = TORCH_DTYPES[config.logits_dtype]
+    out = {}
+    for name, (out_f, in_f) in shapes.items():
+        logits = torch.randn(out_f * in_f // config.m, config.num_candidates, generator=generator)
+        logits = (logits * config.init_std).to(dtype)
+        out[name] = logits if device is None else logits.to(device[name])
+    return out
+
+
+@torch.no_grad()
+def prior_logits(
+    logits: torch.Tensor, mask: torch.Tensor, n: int, m: int, alpha: float, init_std: float
+) -> torch.Tensor:
+    """``logits + alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (REFERENCE section 1), same dtype.
+
+    The prior's candidate then leads every group; where the random init noise would still beat it
+    (a few percent of groups at alpha = 3), its logit is raised just above the group's maximum, so
+    the hard mask of the result equals ``mask`` exactly (also after rounding to 16-bit logits).
+    """
+    prior_idx = mask_to_indices(mask.bool(), n, m)  # validates exact N:M
+    out = logits.float()
+    cand = candidate_patterns(n, m, device=out.device)
+    overlap = mask.reshape(-1, m).float() @ cand.t()  # [G, C]
+    std = out.std() if out.numel() > 1 else out.new_tensor(init_std)
+    out += alpha * std * (overlap - n / 2)
+    lead = out.gather(1, prior_idx[:, None]).squeeze(1)
+    best = out.max(dim=1).values
+    losers = out.argmax(dim=1) != prior_idx
+    margin = max(float(std) * 1e-3, 1e-6)
+    out[losers, prior_idx[losers]] = torch.maximum(lead[losers], best[losers]) + margin
+    out = out.to(logits.dtype)
+    # Rounding to bf16 / fp16 can tie or reorder close logits: lift those prior logits to the next
+    # representable value above their group's maximum.
+    losers = out.argmax(dim=1) != prior_idx
+    if bool(losers.any()):
+        best = out[losers].max(dim=1).values
+        out[losers, prior_idx[losers]] = torch.nextafter(best, torch.full_like(best, float("inf")))
+    return out
+
+
+def hard_logits(indices: torch.Tensor, num_candidates: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """One-hot logits ``[G, C]`` whose argmax is ``indices``: what an inference-only mask needs."""
+    logits = torch.zeros(indices.numel(), num_candidates, dtype=dtype, device=device)
+    return logits.scatter_(1, indices.to(device=device, dtype=torch.int64)[:, None], 1.0)
+
+
+def prior_masks(
+    model: nn.Module,
+    config: MaskConfig,
+    targets: list[str],
+    calibration_data: Any = None,
+    tokenizer: Any = None,
+) -> dict[str, torch.Tensor] | None:
+    """``{layer: [out, in] bool}`` N:M masks of ``config.prior`` for ``targets`` of the (dense) ``model``.
+
+    ``None`` without a prior. A one-shot method calibrates on ``calibration_data``; a saved mask
+    (folder or Hub repo id) gives its hard masks: the transfer-learning path.
+    """
+    if config.prior is None:
+        return None
+    if config.prior_is_method:
+        from ..priors import compute_prior_masks
+
+        tokens = _calibration_tokens(config, calibration_data, tokenizer)
+        return compute_prior_masks(model, config.prior, config.n, config.m, targets, calibration=tokens)
+    shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
+    return saved_mask_prior(config, shapes)
+
+
+def _calibration_tokens(config: MaskConfig, data: Any, tokenizer: Any) -> torch.Tensor | None:
+    if config.prior == "magnitude":
+        return None
+    if data is None:
+        raise ConfigError(
+            f"prior={config.prior!r} needs calibration data: pass calibration_data= (token ids [S, L], or texts / a "
+            "dataset together with tokenizer=), or use prior='magnitude'."
+        )
+    if isinstance(data, torch.Tensor):
+        if data.dim() != 2 or data.dtype not in (torch.int64, torch.int32):
+            raise ConfigError(
+                f"calibration_data tensors must be integer token ids [S, L], got {tuple(data.shape)} {data.dtype}."
+            )
+        return data.long()
+    if tokenizer is None:
+        raise ConfigError("calibration_data given as text needs tokenizer= to turn it into tokens.")
+    from ..data import calibration_tokens
+
+    return calibration_tokens(
+        data,
+        tokenizer,
+        num_samples=config.calibration_samples,
+        seqlen=config.calibration_seqlen,
+        seed=config.seed,
+    )
+
+
+def saved_mask_prior(config: MaskConfig, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Hard masks of the saved mask ``config.prior`` (folder or repo id) for the layers in ``shapes``."""
+    folder = resolve_folder(
+        config.prior, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
+    )
+    saved = load_mask_config(folder)
+    if (saved.n, saved.m) != (config.n, config.m):
+        raise MaskFileError(
+            f"Prior mask {config.prior!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
+            "use the same N:M."
+        )
+    indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
+    cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
+    return {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}

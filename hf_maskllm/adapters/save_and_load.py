@@ -1,0 +1,279 @@
+"""Saving the masks of a :class:`~hf_maskllm.MaskModel` to folders and reading them back.
+
+Layout (PEFT's): ``save_pretrained(dir)`` writes the mask named ``"default"`` into ``dir`` itself and
+every other mask into ``dir/<mask name>/``; each folder is a complete single-mask folder
+(``mask_file.py``), so a folder written before masks had names loads unchanged, and any one mask
+can be shared or loaded on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import ConfigError, MaskFileError, MaskLLMError
+from ..patterns import candidate_patterns
+from ..serialization import atomic_folder, atomic_write, resolve_folder
+from .card import mask_model_card
+from .config import CONFIG_NAME, MaskConfig
+from .mask_file import (
+    LOGITS_NAME,
+    MASKS_NAME,
+    load_mask_config,
+    read_logits,
+    read_packed_masks,
+    write_logits,
+    write_masks,
+)
+from .named_mask import DEFAULT_MASK_NAME
+from .packing import bits_per_weight
+from .prior_init import prior_logits
+
+if TYPE_CHECKING:
+    from .model import MaskModel
+
+__all__ = [
+    "SavedMask",
+    "logits_from_saved",
+    "mask_folder",
+    "read_saved_mask",
+    "resolve_mask_folder",
+    "save_masks",
+]
+
+
+def mask_folder(save_directory: str | os.PathLike, mask_name: str) -> Path:
+    """Where ``mask_name`` is saved: ``save_directory`` for ``"default"``, else its subfolder."""
+    root = Path(save_directory)
+    return root if mask_name == DEFAULT_MASK_NAME else root / mask_name
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_masks(
+    mask_model: MaskModel,
+    save_directory: str | os.PathLike,
+    selected_masks: list[str] | None,
+    save_logits: bool,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> None:
+    """Write each selected mask (default: all) to its folder; see the module docstring for the layout."""
+    names = mask_model.list_masks() if selected_masks is None else list(selected_masks)
+    unknown = [name for name in names if name not in mask_model.list_masks()]
+    if unknown or not names:
+        raise ConfigError(
+            f"selected_masks={selected_masks!r} names no mask or unknown masks {unknown}; this model holds "
+            f"{mask_model.list_masks()}."
+        )
+    if state_dict is not None and mask_model.active_mask not in names:
+        raise ConfigError(
+            f"state_dict holds the logits of the active mask {mask_model.active_mask!r}, which selected_masks "
+            f"{names} leaves out; select it, or drop state_dict."
+        )
+    for name in names:
+        _save_one(mask_model, name, mask_folder(save_directory, name), save_logits, state_dict)
+
+
+def _save_one(
+    mask_model: MaskModel,
+    mask_name: str,
+    folder: Path,
+    save_logits: bool,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> None:
+    layers = mask_model.masked_layers()
+    shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+    active = mask_name == mask_model.active_mask
+    mask = mask_model._masks[mask_name]
+    if active and state_dict is not None:
+        logits: dict[str, torch.Tensor] | None = _logits_from_state_dict(mask_model, state_dict)
+    elif active:
+        logits = {name: layer.mask_logits.detach() for name, layer in layers.items()}
+        _refuse_sharded(logits)
+    else:
+        logits = None if mask.logits is None else {k: v.detach() for k, v in mask.logits.items()}
+    if logits is not None:
+        for name, tensor in logits.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise MaskLLMError(
+                    f"Logits of {name} in mask {mask_name!r} contain NaN or inf (training diverged); refusing to "
+                    "save a corrupt mask. Resume from an earlier checkpoint with a lower learning rate."
+                )
+    if active and state_dict is None:
+        indices = {name: idx.cpu() for name, idx in mask_model.hard_indices().items()}
+    elif logits is not None:
+        indices = {name: tensor.argmax(dim=-1).cpu() for name, tensor in logits.items()}
+    else:
+        indices = mask_model.hard_indices(mask_name)
+    if save_logits and logits is None:
+        warnings.warn(
+            f"Mask {mask_name!r} is held as a packed hard mask (loaded with is_trainable=False): it is saved "
+            "without logits.",
+            stacklevel=3,
+        )
+    # The whole folder is built beside the target and swapped in at once: a crash leaves the previous
+    # save intact, and stale logits of an earlier save never sit beside the new masks.
+    with atomic_folder(folder, drop=lambda name: name == LOGITS_NAME, last=CONFIG_NAME) as tmp:
+        # write_masks verifies the N:M invariant (one candidate index in [0, C) per group) first.
+        write_masks(tmp / MASKS_NAME, indices, shapes, mask.config.n, mask.config.m, mask.summary)
+        if save_logits and logits is not None:
+            write_logits(tmp / LOGITS_NAME, {name: tensor.cpu() for name, tensor in logits.items()})
+        mask.config.save_pretrained(tmp)
+        with atomic_write(tmp / "README.md", "w") as f:
+            f.write(mask_model_card(**card_fields(mask_model, mask_name)))
+
+
+def card_fields(mask_model: MaskModel, mask_name: str) -> dict[str, Any]:
+    """The model card's fields for one mask."""
+    mask = mask_model._masks[mask_name]
+    cfg = mask.config
+    layers = mask_model.masked_layers()
+    return {
+        "base_model": cfg.base_model_name_or_path,
+        "n": cfg.n,
+        "m": cfg.m,
+        "num_layers": len(layers),
+        "num_weights": sum(layer.in_features * layer.out_features for layer in layers.values()),
+        "bits_per_weight": bits_per_weight(cfg.n, cfg.m),
+        "targets": cfg.target_modules,
+        "prior": cfg.prior,
+        "summary": dict(mask.summary),
+        "mask_name": mask_name,
+    }
+
+
+def _refuse_sharded(logits: dict[str, torch.Tensor]) -> None:
+    if any(isinstance(tensor, DTensor) for tensor in logits.values()):
+        raise MaskLLMError(
+            "The mask logits are sharded across processes (FSDP): gather them on every process with "
+            "`state_dict = trainer.accelerator.get_state_dict(trainer.model)`, then save on the main process "
+            "with `mask_model.save_pretrained(folder, state_dict=state_dict)`."
+        )
+
+
+def _logits_from_state_dict(
+    mask_model: MaskModel, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every masked layer's full logits (CPU) out of a state dict keyed like ``state_dict()``."""
+    logits = {}
+    for name, layer in mask_model.masked_layers().items():
+        key = f"base_model.{name}.mask_logits"
+        tensor = state_dict.get(key)
+        if tensor is None:
+            raise ConfigError(
+                f"state_dict lacks {key}: pass the full state dict of this MaskModel (on the main process, "
+                "what accelerator.get_state_dict(model) returns under FSDP)."
+            )
+        _refuse_sharded({name: tensor})
+        if tuple(tensor.shape) != tuple(layer.mask_logits.shape):
+            raise ConfigError(
+                f"state_dict[{key!r}] has shape {tuple(tensor.shape)}, the layer's logits "
+                f"{tuple(layer.mask_logits.shape)}: pass the full (gathered) state dict, not one shard."
+            )
+        logits[name] = tensor.detach().cpu()
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------- load
+@dataclass
+class SavedMask:
+    """A mask folder read and verified: its config, packed and unpacked hard masks, summary and logits."""
+
+    folder: Path
+    config: MaskConfig
+    packed: dict[str, torch.Tensor]
+    indices: dict[str, torch.Tensor]
+    summary: dict[str, Any]
+    logits: dict[str, torch.Tensor] | None
+
+
+def resolve_mask_folder(
+    name_or_path: str | os.PathLike, revision: str | None = None, subfolder: str | None = None
+) -> Path:
+    """The local folder of a saved mask (a folder, or a Hub repo id, optionally one of its subfolders)."""
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    try:
+        folder = resolve_folder(
+            name_or_path,
+            [prefix + CONFIG_NAME, prefix + MASKS_NAME],
+            [prefix + LOGITS_NAME, prefix + "README.md"],
+            MaskFileError,
+            "mask folder",
+            revision,
+        )
+    except MaskFileError as e:
+        path = Path(name_or_path).expanduser() / prefix
+        named = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}")) if path.is_dir() else []
+        if named:
+            raise MaskFileError(
+                f"{e} It holds named masks in subfolders {named}: pass the subfolder of the one you want, e.g. "
+                f"{str(path / named[0])!r}, or subfolder={named[0]!r}."
+            ) from None
+        raise
+    return folder / prefix if prefix else folder
+
+
+def read_config(folder: Path) -> MaskConfig:
+    """The saved ``MaskConfig`` of a mask folder, checked for values that cannot be loaded."""
+    config = load_mask_config(folder)
+    if not -(2**63) <= config.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise MaskFileError(
+            f"{folder / CONFIG_NAME}: seed={config.seed} is outside [-2**63, 2**64); the file is corrupt. "
+            "Fix the field or save the mask again."
+        )
+    return config
+
+
+def read_saved_mask(folder: Path, config: MaskConfig, shapes: dict[str, tuple[int, int]]) -> SavedMask:
+    """Read and verify the hard masks (and logits, when saved) of ``folder`` for the layers in ``shapes``."""
+    packed, indices, summary = read_packed_masks(folder / MASKS_NAME, shapes, config.n, config.m)
+    logits = None
+    if (folder / LOGITS_NAME).is_file():
+        groups_c = {
+            name: (s[0] * s[1] // config.m, math.comb(config.m, config.n)) for name, s in shapes.items()
+        }
+        logits = read_logits(folder / LOGITS_NAME, groups_c)
+    return SavedMask(folder, config, packed, indices, summary, logits)
+
+
+@torch.no_grad()
+def logits_from_saved(saved: SavedMask, init: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Logits (dtype and device of ``init``) reproducing the saved hard masks exactly.
+
+    The saved logits when the folder has them; otherwise ``init`` (the config's random init) with the
+    prior rule applied for the saved hard masks. Raises :class:`MaskFileError` when the result does not
+    reproduce the saved masks (a corrupt folder).
+    """
+    cfg = saved.config
+    if saved.logits is not None:
+        out = {name: saved.logits[name].to(tensor.device, tensor.dtype) for name, tensor in init.items()}
+        if any(not torch.equal(out[k].argmax(dim=-1).cpu(), saved.indices[k]) for k in saved.indices):
+            raise MaskFileError(
+                f"{saved.folder}: the saved logits disagree with the saved hard masks; the folder is corrupt. Save "
+                f"the mask again, or delete {LOGITS_NAME} to load the hard masks alone."
+            )
+        return out
+    cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool)
+    strength = max(cfg.prior_strength, 1.0)
+    out = {}
+    for name, tensor in init.items():
+        mask = cand[saved.indices[name]].to(tensor.device)  # [G, m]
+        out[name] = prior_logits(tensor, mask, cfg.n, cfg.m, strength, cfg.init_std)
+    # Verify after reading: the logits now give exactly the saved (N:M) hard masks.
+    if any(
+        not bool(torch.isfinite(out[k]).all())
+        or not torch.equal(out[k].argmax(dim=-1).cpu(), saved.indices[k])
+        for k in saved.indices
+    ):
+        raise MaskFileError(
+            f"{saved.folder / CONFIG_NAME}: rebuilding logits from the saved hard masks with init_std="
+            f"{cfg.init_std}, prior_strength={cfg.prior_strength}, logits_dtype={cfg.logits_dtype} "
+            "overflows; the config is corrupt. Fix these fields or save the mask again."
+        )
+    return out
