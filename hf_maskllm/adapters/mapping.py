@@ -41,7 +41,6 @@ def get_mask_model(
     config.validate()
     check_mask_name(mask_name)
     targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
-    config.check_prior_source()
     masks = prior_masks(model, config, targets, calibration_data, tokenizer)
     mask_model = MaskModel(model, config, targets, mask_name=mask_name)
     if masks is not None:

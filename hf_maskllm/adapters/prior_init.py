@@ -87,6 +87,7 @@ def prior_masks(
     ``None`` without a prior. A one-shot method calibrates on ``calibration_data``; a saved mask
     (folder or Hub repo id) gives its hard masks: the transfer-learning path.
     """
+    config.check_prior_source()
     if config.prior is None:
         return None
     if config.prior_is_method:
