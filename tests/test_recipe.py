@@ -165,3 +165,21 @@ def test_compilation_announces_itself_with_its_time(tmp_path, caplog, monkeypatc
     assert len(lines) == 2
     assert "compile_sampling=False" in lines[0]
     assert "first training step took" in lines[1] and " s," in lines[1]
+
+
+def test_training_without_the_callback_is_said_once(tmp_path):
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    trainer = Trainer(
+        model=mm,
+        args=training_args(tmp_path, max_steps=2),
+        train_dataset=TokenDataset(cyclic_language(8, seed=0)),
+    )
+    with pytest.warns(UserWarning, match="without MaskAnnealCallback") as caught:
+        trainer.train()
+    assert sum("without MaskAnnealCallback" in str(w.message) for w in caught) == 1
+    scheduled = get_mask_model(tiny_llama(), MaskConfig()).train()  # a custom loop that sets the schedule
+    scheduled.set_schedule_values(2.0, 200.0)
+    ids = cyclic_language(2, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduled(input_ids=ids, labels=ids).loss.backward()

@@ -89,7 +89,9 @@ class MaskModel(nn.Module):
             mask_name: NamedMask(config, trainable=True, logits={k: v.mask_logits for k, v in layers.items()})
         }
         self._active = mask_name
-        self.set_schedule_values(config.tau[0], config.kappa[0])
+        self._apply_schedule(config.tau[0], config.kappa[0])
+        self._schedule_driven = False  # set by set_schedule_values (MaskAnnealCallback calls it every step)
+        self._warned_unscheduled = False
         # Trainer keeps only dataset columns named in forward's signature: show the base model's.
         self._install_forward_signature()
 
@@ -121,6 +123,21 @@ class MaskModel(nn.Module):
         gradient of ``loss`` while its value stays the language-model loss."""
         track = self.training and self.sparse_reg_weight > 0
         layers = list(self.masked_layers().values())
+        if (
+            self.training
+            and not self._schedule_driven
+            and not self._warned_unscheduled
+            and torch.is_grad_enabled()
+        ):
+            if any(layer.mask_logits.requires_grad for layer in layers):
+                self._warned_unscheduled = True
+                warnings.warn(
+                    "The masks are training without MaskAnnealCallback: tau stays at its start value "
+                    f"({layers[0].tau}), kappa at {layers[0].kappa}, there is no sparse weight regulariser and no mask "
+                    "statistics. Add callbacks=[MaskAnnealCallback()] to the Trainer (hf_maskllm.learn.learn_mask "
+                    "does), or call set_schedule_values(tau, kappa) in a custom training loop.",
+                    stacklevel=2,
+                )
         for layer in layers:
             layer.track_sparse_reg = track
             layer.last_sparse_reg = None
@@ -139,7 +156,7 @@ class MaskModel(nn.Module):
                     stacklevel=2,
                 )
             if regs:
-                # -lambda * (1 - t/T) * sum ||W * mask||^2 (REFERENCE section 1). When the Trainer normalises the
+                # -lambda * (1 - t/T) * sum ||W * mask||^2 (the paper's sparse weight regulariser). When the Trainer normalises the
                 # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
                 # accumulation steps (and multiplies by the process count), so the callback sets the divisor.
                 divisor = self.grad_accum_steps if scaled_for_accumulation else 1
@@ -169,7 +186,12 @@ class MaskModel(nn.Module):
         return {name: self.base_model.get_submodule(name) for name in self.masked_names}
 
     def set_schedule_values(self, tau: float, kappa: float) -> None:
-        """Set the Gumbel temperature and logit scale of every masked layer."""
+        """Set the Gumbel temperature and logit scale of every masked layer (``MaskAnnealCallback`` does
+        it every step; a custom training loop calls it itself)."""
+        self._apply_schedule(tau, kappa)
+        self._schedule_driven = True
+
+    def _apply_schedule(self, tau: float, kappa: float) -> None:
         for layer in self.masked_layers().values():
             layer.tau, layer.kappa, layer.hard = float(tau), float(kappa), self.mask_config.hard
 
@@ -330,7 +352,7 @@ class MaskModel(nn.Module):
                 layer.train(layer.training)  # drops the hard mask cached for the previous logits
             new.logits = {k: v.mask_logits for k, v in layers.items()}
             self._active = mask_name
-            self.set_schedule_values(new.config.tau[0], new.config.kappa[0])
+            self._apply_schedule(new.config.tau[0], new.config.kappa[0])
         for layer in layers.values():
             layer.mask_logits.requires_grad_(new.trainable)
 
@@ -465,7 +487,7 @@ class MaskModel(nn.Module):
     def apply_prior(self, masks: dict[str, torch.Tensor], strength: float | None = None) -> None:
         """Initialise the active mask's logits from N:M masks (``[out, in]`` bool per layer name).
 
-        ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (REFERENCE section 1); the
+        ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (the paper's prior rule); the
         initial hard mask then equals the prior exactly (``prior_init.prior_logits``).
         """
         cfg = self.mask_config

@@ -42,7 +42,7 @@ def random_logits(
 def prior_logits(
     logits: torch.Tensor, mask: torch.Tensor, n: int, m: int, alpha: float, init_std: float
 ) -> torch.Tensor:
-    """``logits + alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (REFERENCE section 1), same dtype.
+    """``logits + alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (the paper's prior rule), same dtype.
 
     The prior's candidate then leads every group; where the random init noise would still beat it
     (a few percent of groups at alpha = 3), its logit is raised just above the group's maximum, so
