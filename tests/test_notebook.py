@@ -56,7 +56,10 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     client = nbclient.NotebookClient(
         nb, kernel_name=KERNEL, timeout=900, resources={"metadata": {"path": str(workdir)}}
     )
-    client.execute()  # raises CellExecutionError (with the cell and its traceback) on any error
+    try:
+        client.execute()  # raises CellExecutionError (with the cell and its traceback) on any error
+    finally:
+        nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # the outputs, for a look after a failure
     seconds = time.perf_counter() - start
     print(f"quickstart.ipynb executed in {seconds:.0f} s")
 
