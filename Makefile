@@ -35,8 +35,6 @@ test: install
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
 	$(OFFLINE) TRITON_INTERPRET=1 $(FLOORS_VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
-	$(OFFLINE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(abspath $(FLOORS_VENV))/hf_maskllm-cache \
-		$(FLOORS_VENV)/bin/python -m pytest -q tests/test_notebook.py
 
 style: install
 	$(VENV)/bin/ruff check --fix hf_maskllm tests benchmarks examples

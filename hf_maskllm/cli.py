@@ -223,15 +223,26 @@ def learn(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``hf-maskllm``; without a command it runs ``learn``."""
+    """Entry point of ``hf-maskllm``; without a command it runs ``learn``.
+
+    From the command line (``argv`` None) an hf_maskllm error prints its message, not a traceback.
+    """
     import sys
 
+    from .errors import MaskLLMError
+
+    command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("learn", "-h", "--help"):
         argv = ["learn", *argv]
     args = _parser().parse_args(argv)
-    if args.command == "learn":
-        learn(args)
+    try:
+        if args.command == "learn":
+            learn(args)
+    except MaskLLMError as e:
+        if not command_line:
+            raise
+        sys.exit(f"hf-maskllm: error: {e}")
 
 
 if __name__ == "__main__":

