@@ -317,22 +317,32 @@ class MaskModel(nn.Module):
             )
         layers = self.masked_layers()
         new = self._masks[mask_name]
-        if mask_name != self._active:
-            logits = new.logits if new.logits is not None else self._decode(new, layers)
-            old = self._masks[self._active]
-            old.logits = None if old.packs_when_inactive else {k: v.mask_logits for k, v in layers.items()}
-            for name, layer in layers.items():
-                layer.mask_logits.requires_grad_(False)
-                param = logits[name]
-                if param.device != layer.mask_logits.device:  # the model moved while this mask was aside
-                    param = nn.Parameter(param.detach().to(layer.mask_logits.device), requires_grad=False)
-                layer.mask_logits = param
-                layer.train(layer.training)  # drops the hard mask cached for the previous logits
-            new.logits = {k: v.mask_logits for k, v in layers.items()}
-            self._active = mask_name
-            self.set_schedule_values(new.config.tau[0], new.config.kappa[0])
-        for layer in layers.values():
-            layer.mask_logits.requires_grad_(new.trainable)
+        if mask_name == self._active:
+            for layer in layers.values():
+                layer.mask_logits.requires_grad_(new.trainable)
+            return
+        logits = new.logits if new.logits is not None else self._decode(new, layers)
+        old = self._masks[self._active]
+        # A packed mask drops its decoded logits; their memory may be reused by the next logits, so the hard
+        # masks the layers cached for them are dropped too. Logits kept aside stay alive: their cache entries
+        # (keyed on the logits' storage) cannot match another mask's.
+        drop = old.packs_when_inactive
+        old.logits = None if drop else {name: layer.mask_logits for name, layer in layers.items()}
+        cfg = new.config
+        schedule = (float(cfg.tau[0]), float(cfg.kappa[0]), cfg.hard)
+        for name, layer in layers.items():
+            layer.mask_logits.requires_grad_(False)
+            param = logits[name]
+            if param.device != layer.mask_logits.device:  # the model moved while this mask was aside
+                param = nn.Parameter(param.detach().to(layer.mask_logits.device), requires_grad=False)
+            layer.mask_logits = param
+            param.requires_grad_(new.trainable)
+            if (layer.tau, layer.kappa, layer.hard) != schedule:  # (nn.Module.__setattr__ is slow)
+                layer.tau, layer.kappa, layer.hard = schedule
+            if drop:
+                layer.train(layer.training)  # drops the cached hard mask
+        new.logits = {name: layer.mask_logits for name, layer in layers.items()}
+        self._active = mask_name
 
     def delete_mask(self, mask_name: str) -> None:
         """Remove an inactive mask (the active one is refused: switch first)."""
