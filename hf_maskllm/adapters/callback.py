@@ -130,7 +130,8 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._apply(mask_model, state.global_step, state.max_steps)
         if self.log_mask_stats:
             self._previous = {
-                k: local_shard(layer.mask_logits).argmax(dim=-1) for k, layer in mask_model.masked_layers().items()
+                k: local_shard(layer.mask_logits).argmax(dim=-1)
+                for k, layer in mask_model.masked_layers().items()
             }
         _warn_if_rounding_away(mask_model, kwargs.get("optimizer"))
         compiled = compiler_available() if self.compile_sampling is None else self.compile_sampling

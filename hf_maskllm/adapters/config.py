@@ -133,7 +133,9 @@ class MaskConfig:
         if self.logits_dtype not in LOGITS_DTYPES:
             raise ConfigError(f"`logits_dtype` must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
-            raise ConfigError(f"`seed` must be an integer in [-2**63, 2**64) (a torch seed), got {self.seed!r}.")
+            raise ConfigError(
+                f"`seed` must be an integer in [-2**63, 2**64) (a torch seed), got {self.seed!r}."
+            )
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
             raise ConfigError(
                 f"`base_model_name_or_path` must be a string or None, got {self.base_model_name_or_path!r}."
