@@ -334,3 +334,24 @@ def test_push_to_hub_writes_every_mask_and_loads_a_subfolder(local_hub):
     loaded.load_mask("user/two-masks", mask_name="default")
     assert _same(loaded.hard_indices(), mm.hard_indices("b"))
     assert _same(loaded.hard_indices("default"), mm.hard_indices("default"))
+
+
+@pytest.mark.slow
+def test_downstream_benchmark_switching_mode_on_smollm2(tmp_path):
+    """`benchmarks/downstream.py --switching-only` on the real SmolLM2: its table and the 0.7-bit bound."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "downstream.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "OMP_NUM_THREADS": "1"}
+    args = ["--switching-only", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]
+    subprocess.run([sys.executable, str(script), *args], check=True, env=env, capture_output=True)
+    results = json.loads((tmp_path / "downstream_switching.json").read_text())
+    states = results["mask_states"]
+    assert states["packed-copy"]["state"] == "packed" and states["packed-copy"]["bits_per_weight"] <= 0.7
+    assert states["random"]["state"] == "logits"
+    assert results["switching"]["packed_copy_identical"] is True
+    assert "| packed-copy | packed |" in (tmp_path / "downstream_switching.md").read_text()

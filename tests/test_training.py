@@ -240,7 +240,7 @@ def test_sparse_regulariser_matches_manual_loss_and_gradient():
     # the returned (logged) loss is the language-model loss; the term is kept aside for logging
     torch.testing.assert_close(regularised.loss, plain.loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(mm.last_sparse_reg_term, -weight * reg.detach(), rtol=1e-5, atol=1e-9)
-    assert float(weight * reg) > 1e-3  # the term is not negligible here
+    assert float(weight * reg.detach()) > 1e-3  # the term is not negligible here
     grad_total = torch.autograd.grad(regularised.loss, logits)
     for g_total, g_lm, g_reg in zip(grad_total, grad_lm, grad_reg):
         assert not torch.allclose(g_total, g_lm)

@@ -5,6 +5,6 @@ from .config import MaskConfig
 from .layer import MaskedLinear
 from .mapping import get_mask_model
 from .model import MaskModel
-from .named_mask import MaskState
+from .named_masks import MaskState
 
 __all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskState", "MaskedLinear", "get_mask_model"]

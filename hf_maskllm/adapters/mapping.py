@@ -14,7 +14,7 @@ from torch import nn
 from ..errors import ConfigError
 from .config import MaskConfig
 from .model import MaskModel
-from .named_mask import DEFAULT_MASK_NAME, check_mask_name
+from .named_masks import DEFAULT_MASK_NAME, check_mask_name
 from .prior_init import prior_masks
 from .targets import find_targets
 

@@ -2,7 +2,7 @@
 
 The wrapper holds the transformers model as ``base_model``, swaps each targeted layer for a
 :class:`MaskedLinear` in place (``wrapping.py``) and forwards every other attribute. It holds one or
-more named masks over the same layers (``named_mask.py``); the active one's logits are the layers'
+more named masks over the same layers (``named_masks.py``: the API and the states of a mask); the active one's logits are the layers'
 ``mask_logits``. Priors: ``prior_init.py``; saving and loading: ``save_and_load.py``; merging: ``merge.py``.
 """
 
@@ -22,13 +22,11 @@ from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
 from ..modules import dense_weight_view
-from ..patterns import candidate_patterns, num_candidates
 from .config import MaskConfig
 from .layer import MaskedLinear
 from .merge import merge_layers, merged_view
-from .named_mask import DEFAULT_MASK_NAME, MaskState, NamedMask, check_mask_name
-from .packing import unpack_indices
-from .prior_init import hard_logits, prior_logits, prior_masks, random_logits
+from .named_masks import DEFAULT_MASK_NAME, NamedMask, NamedMasksMixin, check_mask_name
+from .prior_init import prior_logits, random_logits
 from .save_and_load import (
     logits_from_saved,
     read_config,
@@ -37,12 +35,12 @@ from .save_and_load import (
     save_masks,
 )
 from .targets import find_targets
-from .wrapping import unwrapped, wrap_layers
+from .wrapping import wrap_layers
 
 __all__ = ["MaskModel"]
 
 
-class MaskModel(nn.Module):
+class MaskModel(NamedMasksMixin, nn.Module):
     """A transformers model whose targeted linears carry learnable N:M masks, one or more, by name.
 
     The first mask is named ``"default"`` (``mask_name`` changes it). Only the active mask's logits
@@ -219,212 +217,6 @@ class MaskModel(nn.Module):
             for layer in layers:
                 layer.masking_enabled = True
 
-    # ------------------------------------------------------------------ named masks
-    @property
-    def active_mask(self) -> str:
-        """Name of the mask the forward uses (and the only one that trains)."""
-        return self._active
-
-    @property
-    def mask_config(self) -> MaskConfig:
-        """The active mask's config."""
-        return self._masks[self._active].config
-
-    @property
-    def mask_configs(self) -> dict[str, MaskConfig]:
-        """``{mask name: config}`` of every mask (PEFT's ``peft_config``)."""
-        return {name: mask.config for name, mask in self._masks.items()}
-
-    @property
-    def training_summary(self) -> dict[str, Any]:
-        """The active mask's training summary (saved with it)."""
-        return self._masks[self._active].summary
-
-    @training_summary.setter
-    def training_summary(self, value: dict[str, Any]) -> None:
-        self._masks[self._active].summary = dict(value)
-
-    def list_masks(self) -> list[str]:
-        """Names of every mask, in the order they were added."""
-        return list(self._masks)
-
-    def add_mask(
-        self,
-        mask_name: str,
-        config: MaskConfig,
-        calibration_data: Any = None,
-        tokenizer: Any = None,
-    ) -> None:
-        """Add a new trainable mask over the same layers, initialised from ``config.prior``; not activated.
-
-        ``config.prior`` works as in :func:`~hf_maskllm.get_mask_model`: a one-shot method (calibrated on
-        the dense base model with ``calibration_data``), or a saved mask folder / Hub repo id (transfer
-        learning). Activate it with :meth:`set_mask` before training it.
-        """
-        self._check_new_name(mask_name)
-        if not isinstance(config, MaskConfig):
-            raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
-        config.validate()
-        self._check_compatible(mask_name, config, "MaskConfig")
-        layers = self.masked_layers()
-        with unwrapped(self.base_model, layers) as model:
-            targets = find_targets(
-                model, config.target_modules, config.exclude_modules, config.m, config.strict
-            )
-            self._check_same_layers(mask_name, targets, "its target_modules / exclude_modules")
-            if config.base_model_name_or_path is None:
-                config.base_model_name_or_path = self.mask_configs[self._active].base_model_name_or_path
-            masks = prior_masks(model, config, self.masked_names, calibration_data, tokenizer)
-        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
-        devices = {name: layer.mask_logits.device for name, layer in layers.items()}
-        logits = random_logits(config, shapes, devices)
-        if masks is not None:
-            for name, layer_mask in masks.items():
-                logits[name] = prior_logits(
-                    logits[name], layer_mask.to(devices[name]), config.n, config.m, config.prior_strength,
-                    config.init_std,
-                )  # fmt: skip
-        self._masks[mask_name] = NamedMask(
-            config,
-            trainable=True,
-            logits={k: nn.Parameter(v, requires_grad=False) for k, v in logits.items()},
-        )
-
-    def load_mask(
-        self,
-        name_or_path: str | os.PathLike,
-        mask_name: str,
-        is_trainable: bool = False,
-        revision: str | None = None,
-        subfolder: str | None = None,
-        keep_logits: bool = False,
-    ) -> None:
-        """Load a saved mask (folder or Hub repo id) under ``mask_name``, beside the others; not activated.
-
-        ``is_trainable=False`` holds it as a packed hard mask while inactive (0.647 bit per weight for
-        2:4) and decodes it on :meth:`set_mask`; ``keep_logits=True`` keeps its logits instead, so that
-        switching to it only moves references. ``subfolder``: a mask saved in a subfolder of the repo.
-        """
-        self._check_new_name(mask_name)
-        folder = resolve_mask_folder(name_or_path, revision, subfolder)
-        config = read_config(folder)
-        self._check_compatible(mask_name, config, f"the mask in {folder}")
-        layers = self.masked_layers()
-        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
-        try:
-            saved = read_saved_mask(folder, config, shapes)
-        except MaskFileError as e:
-            raise MaskFileError(f"Mask {mask_name!r}: {e}") from None
-        mask = NamedMask(config, trainable=is_trainable, summary=saved.summary, keep_logits=keep_logits)
-        if is_trainable or keep_logits:
-            load_config = MaskConfig.from_dict({**config.to_dict(), "prior": None})
-            devices = {name: layer.mask_logits.device for name, layer in layers.items()}
-            logits = logits_from_saved(saved, random_logits(load_config, shapes, devices))
-            mask.logits = {k: nn.Parameter(v, requires_grad=False) for k, v in logits.items()}
-        if not is_trainable:
-            mask.packed = saved.packed
-        self._masks[mask_name] = mask
-
-    def set_mask(self, mask_name: str) -> None:
-        """Make ``mask_name`` the active mask: the forward uses it, and it alone trains (when trainable).
-
-        Moves parameter references only (no weight is copied); a packed mask is decoded first. Switch
-        before a Trainer, DDP or FSDP wraps the model: they hold the active parameters.
-        """
-        self._check_not_merged()
-        if mask_name not in self._masks:
-            raise MaskLLMError(
-                f"No mask named {mask_name!r}; this model holds {self.list_masks()}. Add it with add_mask or "
-                "load_mask first."
-            )
-        layers = self.masked_layers()
-        new = self._masks[mask_name]
-        if mask_name != self._active:
-            logits = new.logits if new.logits is not None else self._decode(new, layers)
-            old = self._masks[self._active]
-            old.logits = None if old.packs_when_inactive else {k: v.mask_logits for k, v in layers.items()}
-            for name, layer in layers.items():
-                layer.mask_logits.requires_grad_(False)
-                param = logits[name]
-                if param.device != layer.mask_logits.device:  # the model moved while this mask was aside
-                    param = nn.Parameter(param.detach().to(layer.mask_logits.device), requires_grad=False)
-                layer.mask_logits = param
-                layer.train(layer.training)  # drops the hard mask cached for the previous logits
-            new.logits = {k: v.mask_logits for k, v in layers.items()}
-            self._active = mask_name
-            self._apply_schedule(new.config.tau[0], new.config.kappa[0])
-        for layer in layers.values():
-            layer.mask_logits.requires_grad_(new.trainable)
-
-    def delete_mask(self, mask_name: str) -> None:
-        """Remove an inactive mask (the active one is refused: switch first)."""
-        if mask_name not in self._masks:
-            raise MaskLLMError(f"No mask named {mask_name!r}; this model holds {self.list_masks()}.")
-        if mask_name == self._active:
-            raise MaskLLMError(
-                f"Mask {mask_name!r} is the active mask and cannot be deleted; activate another one with "
-                f"set_mask (masks: {self.list_masks()}), then delete it."
-            )
-        del self._masks[mask_name]
-
-    def mask_state(self, mask_name: str | None = None) -> MaskState:
-        """Where a mask stands (``"active"``, ``"logits"`` or ``"packed"``) and its bytes in memory."""
-        name = self._active if mask_name is None else mask_name
-        if name not in self._masks:
-            raise MaskLLMError(f"No mask named {name!r}; this model holds {self.list_masks()}.")
-        mask = self._masks[name]
-        layers = self.masked_layers()
-        weights = sum(layer.in_features * layer.out_features for layer in layers.values())
-        if name == self._active:
-            state, tensors = "active", [layer.mask_logits for layer in layers.values()]
-        elif mask.logits is not None:
-            state, tensors = "logits", list(mask.logits.values())
-        else:
-            state, tensors = "packed", list(mask.packed.values())
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return MaskState(state, nbytes, 8 * nbytes / max(weights, 1))
-
-    def _check_new_name(self, mask_name: str) -> None:
-        self._check_not_merged()
-        check_mask_name(mask_name)
-        if mask_name in self._masks:
-            raise MaskLLMError(
-                f"A mask named {mask_name!r} exists already (masks: {self.list_masks()}); pick another name, or "
-                "delete_mask it first."
-            )
-
-    def _check_compatible(self, mask_name: str, config: MaskConfig, what: str) -> None:
-        ours = self.mask_config
-        if (config.n, config.m) != (ours.n, ours.m):
-            raise MaskLLMError(
-                f"Mask {mask_name!r}: {what} is {config.n}:{config.m} but this MaskModel's masks are "
-                f"{ours.n}:{ours.m}; every mask of one MaskModel shares the N:M of its layers. Use a "
-                f"{ours.n}:{ours.m} mask, or wrap the base model in a separate MaskModel."
-            )
-
-    def _check_same_layers(self, mask_name: str, targets: list[str], what: str) -> None:
-        if targets != self.masked_names:
-            missing = sorted(set(self.masked_names) - set(targets))
-            extra = sorted(set(targets) - set(self.masked_names))
-            raise MaskLLMError(
-                f"Mask {mask_name!r}: {what} select other layers than this MaskModel's masks (missing "
-                f"{missing[:3]}, extra {extra[:3]}); every mask of one MaskModel covers the same layers. Use the "
-                f"active mask's target_modules ({self.mask_config.target_modules!r})."
-            )
-
-    def _decode(self, mask: NamedMask, layers: dict[str, MaskedLinear]) -> dict[str, torch.Tensor]:
-        """One-hot logits of a packed mask's hard mask, on each layer's device."""
-        cfg = mask.config
-        c = num_candidates(cfg.n, cfg.m)
-        dtype = next(iter(layers.values())).mask_logits.dtype
-        out = {}
-        for name, layer in layers.items():
-            idx = unpack_indices(mask.packed[name], layer.out_features * layer.in_features // cfg.m, c)
-            out[name] = nn.Parameter(
-                hard_logits(idx, c, dtype, layer.mask_logits.device), requires_grad=False
-            )
-        return out
-
     # ------------------------------------------------------------------ state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Only the active mask's logits (what a Trainer checkpoint needs to resume)."""
@@ -449,38 +241,6 @@ class MaskModel(nn.Module):
             f" || masked weights: {masked:,} in {len(self.masked_names)} layers ({self.mask_config.n}:{self.mask_config.m})"
             f" || active mask: {self._active!r} of {len(self._masks)}"
         )
-
-    @torch.no_grad()
-    def hard_masks(self, mask_name: str | None = None) -> dict[str, torch.Tensor]:
-        """The exact N:M bool mask ``[out, in]`` of every masked layer (of the active mask by default)."""
-        if mask_name is None or mask_name == self._active:
-            return {name: layer.hard_mask().clone() for name, layer in self.masked_layers().items()}
-        cfg = self._masks[mask_name].config
-        cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool)
-        layers = self.masked_layers()
-        return {
-            name: cand[idx].reshape(layers[name].out_features, layers[name].in_features)
-            for name, idx in self.hard_indices(mask_name).items()
-        }
-
-    @torch.no_grad()
-    def hard_indices(self, mask_name: str | None = None) -> dict[str, torch.Tensor]:
-        """Candidate index (argmax) of every group of every masked layer (of the active mask by default)."""
-        layers = self.masked_layers()
-        if mask_name is None or mask_name == self._active:
-            return {name: layer.mask_logits.argmax(dim=-1) for name, layer in layers.items()}
-        if mask_name not in self._masks:
-            raise MaskLLMError(f"No mask named {mask_name!r}; this model holds {self.list_masks()}.")
-        mask = self._masks[mask_name]
-        if mask.logits is not None:
-            return {name: t.argmax(dim=-1).cpu() for name, t in mask.logits.items()}
-        c = num_candidates(mask.config.n, mask.config.m)
-        return {
-            name: unpack_indices(
-                mask.packed[name], layer.out_features * layer.in_features // mask.config.m, c
-            )
-            for name, layer in layers.items()
-        }
 
     # ------------------------------------------------------------------ prior
     @torch.no_grad()

@@ -32,7 +32,7 @@ from .mask_file import (
     write_logits,
     write_masks,
 )
-from .named_mask import DEFAULT_MASK_NAME
+from .named_masks import DEFAULT_MASK_NAME
 from .packing import bits_per_weight
 from .prior_init import prior_logits
 
