@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import argparse
 
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Trainer, default_data_collator
 
-from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, MaskModel, check_nm, get_mask_model
+from hf_maskllm import (
+    MaskAdamW,
+    MaskAnnealCallback,
+    MaskConfig,
+    MaskModel,
+    MaskTrainingArguments,
+    check_nm,
+    get_mask_model,
+)
 from hf_maskllm.data import causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.perplexity import evaluate_perplexity
@@ -28,13 +36,10 @@ def main() -> None:
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.print_trainable_parameters()
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=256)
-    training_args = TrainingArguments(
+    training_args = MaskTrainingArguments(  # the recipe's lr, weight decay, betas, cosine schedule, clipping
         output_dir=args.output,
         max_steps=args.steps,
         per_device_train_batch_size=2,
-        learning_rate=5e-4,
-        adam_beta2=0.95,
-        weight_decay=0.1,
         logging_steps=5,
         save_strategy="no",
         report_to=[],
@@ -47,7 +52,7 @@ def main() -> None:
         data_collator=default_data_collator,
         callbacks=[MaskAnnealCallback()],
         # 16-bit logits need MaskAdamW (stochastic rounding); the Trainer default AdamW would lose most updates
-        optimizer_cls_and_kwargs=(MaskAdamW, {"lr": training_args.learning_rate, "betas": (0.9, 0.95)}),
+        optimizer_cls_and_kwargs=(MaskAdamW, {"lr": training_args.learning_rate}),
     )
     trainer.train()
     # Under FSDP each process holds a shard of the logits: every process gathers them (under DDP or in one
