@@ -11,6 +11,7 @@ from .format import FORMAT_VERSION, compress, decompress, meta_bits, validate
 from .linear import SparseLinear, set_dense_cache
 from .lora import SparseLoraLinear, install, register_lora
 from .quantizer import QUANT_METHOD, NMSparseConfig, NMSparseHfQuantizer
+from .reconstruct import reconstruct
 
 __all__ = [
     "FORMAT_VERSION",
@@ -23,6 +24,7 @@ __all__ = [
     "decompress",
     "find_nm_modules",
     "meta_bits",
+    "reconstruct",
     "register_lora",
     "save_compressed",
     "set_dense_cache",

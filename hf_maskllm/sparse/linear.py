@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import TargetError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
-from .format import compress, compressed_shapes, decompress
+from .format import compress, compressed_shapes, decompress, kept_columns
 
 __all__ = ["SparseLinear", "set_dense_cache"]
 
@@ -93,6 +93,15 @@ class SparseLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The decompressed ``[out, in]`` weight (differentiable with respect to ``values``)."""
         return decompress(self.values, self.meta, self.n, self.m, self.in_features)
+
+    def kept_columns(self) -> torch.Tensor:
+        """``int64 [out, kept]``: the dense input column of every entry of ``values``."""
+        return kept_columns(self.meta, self.n, self.m, self.values.shape[1])
+
+    def keep_mask(self) -> torch.Tensor:
+        """The bool keep-mask ``[out, in]`` (the stored positions)."""
+        mask = torch.zeros(self.out_features, self.in_features, dtype=torch.bool, device=self.meta.device)
+        return mask.scatter_(1, self.kept_columns(), True)
 
     def _key(self) -> tuple:
         v, meta = self.values, self.meta

@@ -25,18 +25,10 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 from ..errors import ConfigError
-from .format import decompress, unpack_positions
+from .format import decompress
 from .linear import SparseLinear
 
 __all__ = ["SparseLoraLinear", "install", "register_lora"]
-
-
-def kept_index(layer: SparseLinear) -> torch.Tensor:
-    """``int64 [out, kept]``: the dense column of every stored value of ``layer``."""
-    out, kept = layer.values.shape
-    pos = unpack_positions(layer.meta, layer.m, kept).long()  # [out, kept]
-    group = torch.arange(kept, device=pos.device) // layer.n * layer.m  # first column of each value's group
-    return pos + group
 
 
 class SparseLoraLinear(LoraLinear):
@@ -64,7 +56,7 @@ class SparseLoraLinear(LoraLinear):
         """``[out, kept]``: ``s * B @ A`` at the kept positions (differentiable with respect to A and B)."""
         base = self.get_base_layer()
         delta = (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
-        return delta.gather(1, kept_index(base))
+        return delta.gather(1, base.kept_columns())
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """The dense ``[out, in]`` weight change of ``adapter``: ``s * B @ A`` with the pruned entries zero."""
