@@ -117,3 +117,22 @@ def test_get_mask_model_skips_or_refuses_lora_layers():
             get_peft_model(merged_model("llama"), LoraConfig(r=2, target_modules=["q_proj"])),
             MaskConfig(n=2, m=4, target_modules=["lora_A.default", "k_proj"]),
         )
+
+
+def test_saved_adapter_reloads_onto_a_compressed_model(tmp_path):
+    from peft import PeftModel
+
+    peft_model = get_peft_model(
+        loaded_compressed("llama", tmp_path / "c"),
+        LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False),
+    )
+    ids = batch()
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c"), tmp_path / "adapter"
+    )
+    assert any(isinstance(mod, SparseLoraLinear) for mod in reloaded.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
