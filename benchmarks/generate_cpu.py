@@ -9,8 +9,9 @@ model written by ``MaskModel.save_pretrained(..., merged=True)`` and read back w
 
 - ``dense``: the merged dense model (plain ``nn.Linear``);
 - ``compressed``: the loaded model as shipped (``SparseLinear`` with its decompressed-weight cache);
-- ``compressed, no cache`` (with ``--no-cache-row``): ``set_dense_cache(model, False)``: decompress
-  in every call (what every CPU forward did before the cache).
+- ``compressed, no cache`` (with ``--no-cache-row``): a second instance of the compressed model
+  with ``set_dense_cache(model, False)``: decompress in every call (what every CPU forward did
+  before the cache).
 
 Each repeat times one ``generate`` call per row, rows interleaved; the ratio columns are the medians
 over repeats of (row / dense) measured back to back, from wall-clock tok/s and from process CPU time
@@ -119,24 +120,21 @@ def main() -> None:
         gc.collect()
         rss2 = rss_bytes()
         ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-        variants = {
-            "dense": (dense, None),
-            "compressed": (sparse, True),
-            "compressed, no cache": (sparse, False),
-        }
+        variants = {"dense": dense, "compressed": sparse}
+        if args.no_cache_row:  # a second instance: switching one model's cache off and on would rebuild it
+            variants["compressed, no cache"] = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype
+            ).eval()
+            set_dense_cache(variants["compressed, no cache"], False)
         for threads in [int(t) for t in args.threads.split(",")]:
             torch.set_num_threads(threads)
-            for model, cache in variants.values():  # warm-up (and fills the caches)
-                if cache is not None:
-                    set_dense_cache(model, cache)
+            for model in variants.values():  # warm-up (and fills the caches)
                 generate(model, ids, 4)
             times = {name: [] for name in variants}
             cpu_times = {name: [] for name in variants}
             tokens = {}
             for _ in range(args.repeats):
-                for name, (model, cache) in variants.items():
-                    if cache is not None:
-                        set_dense_cache(model, cache)
+                for name, model in variants.items():
                     seconds, cpu_seconds, out = generate(model, ids, args.new_tokens)
                     times[name].append(seconds)
                     cpu_times[name].append(cpu_seconds)
@@ -161,8 +159,6 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-        set_dense_cache(sparse, True)
-        generate(sparse, ids, 2)
         memory.append(
             {
                 "dtype": dtype_name,
