@@ -136,3 +136,12 @@ def test_saved_adapter_reloads_onto_a_compressed_model(tmp_path):
     assert any(isinstance(mod, SparseLoraLinear) for mod in reloaded.modules())
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_every_lora_config_carries_the_sparse_mapping():
+    from hf_maskllm.sparse import install
+
+    install()  # idempotent: a second call does not wrap twice
+    config = LoraConfig(r=2, target_modules=["q_proj"])
+    assert config._custom_modules == {SparseLinear: SparseLoraLinear}
+    assert "_custom_modules" not in config.to_dict()  # nothing of it is saved with an adapter

@@ -270,3 +270,10 @@ def test_reconstruct_keeps_the_mask_and_lowers_layer_error(tmp_path):
 def test_reconstruct_needs_masks_for_a_plain_model():
     with pytest.raises(ConfigError, match="pass masks"):
         reconstruct(tiny_llama(), tokens(2, 0), progress=False)
+
+
+def test_to_sparse_layers_refuses_layers_that_are_not_nm():
+    from hf_maskllm.errors import NMViolationError
+
+    with pytest.raises(NMViolationError, match="not 2:4 sparse"):
+        to_sparse_layers(tiny_llama(), 2, 4, modules=["model.layers.0.mlp.up_proj"])
