@@ -2,7 +2,9 @@
 
 PEFT's conventions: a list matches name suffixes (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``),
 a string is a regex that must match the whole name, and ``"all-linear"`` means every Linear / GPT-2
-Conv1D except the output embedding.
+Conv1D except the output embedding. PEFT adapter layers (``lora_A``, ``lora_B``, ... inside a PEFT
+tuner layer) are never masked: ``"all-linear"`` skips them (with a warning that the adapters' updates
+stay dense), an explicit name refuses them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,25 @@ from ..errors import TargetError
 from ..modules import dense_weight_view, output_embedding_names
 from ..modules import is_linear as is_maskable
 
-__all__ = ["find_targets", "is_maskable"]
+__all__ = ["adapter_layer_prefixes", "find_targets", "is_maskable"]
+
+
+def adapter_layer_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Names of the PEFT adapter sub-layers of ``model`` (e.g. ``...q_proj.lora_A``); empty without PEFT layers."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # without peft there are no adapter layers
+        return ()
+    prefixes = []
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in (*module.adapter_layer_names, *module.other_param_names):
+                prefixes.append(f"{name}.{attr}" if name else attr)
+    return tuple(prefixes)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _matches(name: str, spec: str | list[str] | tuple[str, ...]) -> bool:
@@ -40,9 +60,11 @@ def find_targets(
     """
     all_linear = target_modules == "all-linear"
     skip = output_embedding_names(model) if all_linear else set()
+    adapters = adapter_layer_prefixes(model)
     names: list[str] = []
     unsupported: list[str] = []
     indivisible: list[str] = []
+    adapter_hits: list[str] = []
     for name, module in model.named_modules():
         if not name or name in skip:
             continue
@@ -53,13 +75,30 @@ def find_targets(
                 continue
         elif not _matches(name, target_modules):
             continue
+        if adapters and _under(name, adapters):
+            adapter_hits.append(name)
+            continue
         if not is_maskable(module):
-            unsupported.append(f"{name} ({type(module).__name__})")
+            hint = " (a PEFT adapter wrapper: target its base_layer)" if hasattr(module, "base_layer") else ""
+            unsupported.append(f"{name} ({type(module).__name__}{hint})")
             continue
         if dense_weight_view(module).shape[1] % m:
             indivisible.append(f"{name} (in_features={dense_weight_view(module).shape[1]})")
             continue
         names.append(name)
+    if adapter_hits and not all_linear:
+        raise TargetError(
+            f"target_modules matched PEFT adapter layers {adapter_hits[:3]}{' ...' if len(adapter_hits) > 3 else ''}; "
+            "masks apply to base weights only. Merge the adapters first (peft_model.merge_and_unload()) or "
+            "exclude them with exclude_modules."
+        )
+    if adapter_hits:
+        warnings.warn(
+            f"the model holds PEFT adapters ({len(adapter_hits)} adapter layers, e.g. {adapter_hits[0]}); they are not "
+            "masked, so their updates stay dense. Merge them first (peft_model.merge_and_unload()) to mask the "
+            "merged weights.",
+            stacklevel=3,
+        )
     if unsupported:
         raise TargetError(
             f"target_modules matched modules that cannot be masked: {unsupported[:5]}"

@@ -35,7 +35,13 @@ from .magnitude import magnitude_mask
 from .sparsegpt import HessianStats, sparsegpt_layer
 from .wanda import InputNormStats, wanda_mask
 
-__all__ = ["PRIOR_METHODS", "compute_prior_masks", "find_decoder_blocks", "sparsegpt_prune"]
+__all__ = [
+    "PRIOR_METHODS",
+    "compute_prior_masks",
+    "find_decoder_blocks",
+    "sparsegpt_prune",
+    "sparsegpt_reconstruct",
+]
 
 PRIOR_METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -227,8 +233,12 @@ def _prune_targets(
     percdamp: float,
     originals: dict[str, torch.Tensor],
     masks: dict[str, torch.Tensor],
+    fixed_masks: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Compute each target's mask and apply it to the weight (keeping a CPU copy of the original)."""
+    """Compute each target's mask and apply it to the weight (keeping a CPU copy of the original).
+
+    With ``fixed_masks`` (SparseGPT only), each target keeps its given mask and gets the OBS update for it.
+    """
     for name, module in targets.items():
         weight = module.weight
         originals[name] = weight.detach().to("cpu", copy=True)
@@ -237,7 +247,8 @@ def _prune_targets(
             mask = wanda_mask(w_oi, stats[name].norms(), n, m)
             w_oi.data.masked_fill_(~mask, 0)
         else:
-            new_w, mask = sparsegpt_layer(w_oi, stats[name].hessian(), n, m, blocksize, percdamp)
+            fixed = None if fixed_masks is None else fixed_masks[name].to(w_oi.device)
+            new_w, mask = sparsegpt_layer(w_oi, stats[name].hessian(), n, m, blocksize, percdamp, fixed)
             w_oi.data.copy_(new_w.to(weight.dtype))
         masks[name] = mask.cpu()
         stats[name] = None  # free the statistics early
@@ -261,6 +272,7 @@ def _calibrate_sequentially(
     blocksize: int,
     percdamp: float,
     keep_updates: bool,
+    fixed_masks: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}.")
@@ -296,7 +308,9 @@ def _calibrate_sequentially(
                     stats = _collect_stats(
                         per_block[i], method, num_batches, lambda b, block=block: inputs.run(block, b)
                     )
-                    _prune_targets(per_block[i], stats, method, n, m, blocksize, percdamp, originals, masks)
+                    _prune_targets(
+                        per_block[i], stats, method, n, m, blocksize, percdamp, originals, masks, fixed_masks
+                    )
                 if i < last:
                     for b in range(num_batches):
                         inputs.hidden[b] = inputs.run(block, b)
@@ -310,7 +324,7 @@ def _calibrate_sequentially(
                 model(input_ids=calibration[starts[b] : starts[b] + batch_size].to(device))
 
             stats = _collect_stats(outside, method, len(starts), run_full)
-            _prune_targets(outside, stats, method, n, m, blocksize, percdamp, originals, masks)
+            _prune_targets(outside, stats, method, n, m, blocksize, percdamp, originals, masks, fixed_masks)
         success = True
     finally:
         if not (success and keep_updates):
@@ -365,6 +379,56 @@ def compute_prior_masks(
         return {}
     return _calibrate_sequentially(
         model, method, n, m, targets, calibration, batch_size, progress, 128, 0.01, keep_updates=False
+    )
+
+
+def sparsegpt_reconstruct(
+    model: nn.Module,
+    masks: dict[str, torch.Tensor],
+    calibration: torch.LongTensor,
+    n: int = 2,
+    m: int = 4,
+    batch_size: int = 1,
+    progress: bool = True,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+) -> None:
+    """SparseGPT's OBS weight update for GIVEN N:M masks, block by block on ``calibration``, in place.
+
+    ``masks``: ``{module name: bool [out, in]}`` (each exactly N:M). The targets' weights become the
+    updated weights, zero where a mask is False; the masks are kept exactly. If anything fails, the
+    original weights are restored.
+    """
+    if not masks:
+        raise TargetError("masks is empty; pass {module name: bool [out, in] mask} for the layers to update.")
+    check_nm_args(n, m)
+    targets = _resolve_targets(model, list(masks), m)
+    for name, module in targets.items():
+        mask = masks[name]
+        if tuple(mask.shape) != tuple(dense_weight_view(module).shape) or mask.dtype != torch.bool:
+            raise ConfigError(
+                f"mask of {name!r} must be a bool tensor of shape {list(dense_weight_view(module).shape)} ([out, in]), "
+                f"got {mask.dtype} {list(mask.shape)}."
+            )
+        if bool((mask.reshape(-1, m).sum(dim=1) > n).any()):
+            raise ConfigError(
+                f"mask of {name!r} keeps more than {n} of every {m} weights in some groups; pass N:M masks "
+                "(e.g. MaskModel.hard_masks()) and the matching n, m."
+            )
+    calibration = _check_calibration(calibration, "sparsegpt")
+    _calibrate_sequentially(
+        model,
+        "sparsegpt",
+        n,
+        m,
+        targets,
+        calibration,
+        batch_size,
+        progress,
+        blocksize,
+        percdamp,
+        keep_updates=True,
+        fixed_masks=masks,
     )
 
 

@@ -84,8 +84,9 @@ def sparsegpt_layer(
     m: int,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prune a ``[out, in]`` weight to N:M with SparseGPT.
+    """Prune a ``[out, in]`` weight to N:M with SparseGPT (or, given ``mask``, only update it for that mask).
 
     Args:
         weight: ``[out, in]`` weight (not modified).
@@ -94,6 +95,8 @@ def sparsegpt_layer(
         blocksize: columns per lazy-update block; rounded down to a multiple of ``m`` (at least ``m``)
             so that no group straddles two blocks.
         percdamp: dampening, as a fraction of the mean Hessian diagonal.
+        mask: an N:M bool keep-mask ``[out, in]`` to use instead of choosing one: the OBS weight update
+            for that fixed mask (one-shot reconstruction). Inputs that never fire keep their weights.
 
     Returns:
         ``(updated_weight, mask)``: the OBS-updated float32 weight (zero where pruned) and the bool
@@ -108,13 +111,23 @@ def sparsegpt_layer(
     # Inputs that never fire: no information; the reference zeroes their weights and sets H_jj = 1.
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    if mask is None:
+        w[:, dead] = 0.0
+    elif tuple(mask.shape) != (rows, cols) or mask.dtype != torch.bool:
+        raise ConfigError(
+            f"mask must be a bool tensor of shape {(rows, cols)}, got {mask.dtype} {tuple(mask.shape)}."
+        )
     hinv = _upper_cholesky_of_inverse(h, percdamp).to(w.dtype)  # U, [in, in]
 
     bs = max(m, (blocksize // m) * m)
     # Work on W^T ([in, rows]) so that a column of W is a contiguous row here.
     wt = w.t().contiguous()
-    keep = torch.zeros(cols, rows, dtype=torch.bool, device=w.device)
+    fixed = mask is not None
+    keep = (
+        mask.t().to(w.device).contiguous()
+        if fixed
+        else torch.zeros(cols, rows, dtype=torch.bool, device=w.device)
+    )
     for i1 in range(0, cols, bs):
         i2 = min(i1 + bs, cols)
         w1 = wt[i1:i2].clone()  # [count, rows]
@@ -124,7 +137,7 @@ def sparsegpt_layer(
         d1 = torch.diag(hinv1)
         keep1 = keep[i1:i2]  # a view: filled in place
         for i in range(i2 - i1):
-            if i % m == 0:
+            if i % m == 0 and not fixed:
                 # Saliency w^2 / U_jj^2 of the group's columns, with the weights as updated so far.
                 score = w1[i : i + m] ** 2 / d1[i : i + m].unsqueeze(1) ** 2  # [m, rows]
                 top = torch.argsort(score, dim=0, descending=True, stable=True)[:n]

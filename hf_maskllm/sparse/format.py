@@ -29,6 +29,7 @@ __all__ = [
     "compress",
     "compressed_shapes",
     "decompress",
+    "kept_columns",
     "meta_bits",
     "unpack_positions",
     "validate",
@@ -92,6 +93,12 @@ def unpack_positions(meta: torch.Tensor, m: int, kept: int) -> torch.Tensor:
     bits = ((meta.unsqueeze(-1) >> byte_shifts) & 1).reshape(out, -1)[:, : kept * b]
     bit_idx = torch.arange(b, device=meta.device, dtype=torch.uint8)
     return _sum_last(bits.view(out, kept, b) << bit_idx, torch.uint8)
+
+
+def kept_columns(meta: torch.Tensor, n: int, m: int, kept: int) -> torch.Tensor:
+    """``int64 [out, kept]``: the dense input column of every stored value (``group * m + position``)."""
+    pos = unpack_positions(meta, m, kept).long()
+    return pos + torch.arange(kept, device=pos.device) // n * m
 
 
 def compress(weight: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

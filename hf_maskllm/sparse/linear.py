@@ -1,4 +1,20 @@
-"""``SparseLinear``: a linear layer that holds its weight in the compressed N:M format."""
+"""``SparseLinear``: a linear layer that holds its weight in the compressed N:M format.
+
+The kept weights ``values`` are the layer's trainable parameter (N:M by construction: the positions
+in ``meta`` never change); ``meta`` is a buffer. Forward routes, in this order:
+
+1. A gradient is needed for ``values`` (training the sparse weights): decompress (a differentiable
+   scatter) and ``F.linear``; the gradient of ``values`` is the dense gradient at the kept positions.
+2. CUDA, no gradient needed at all, Triton importable: the ``hf_maskllm.kernels.nm_linear``
+   kernels (read the compressed weight directly).
+3. Otherwise (inference, or training something else such as LoRA adapters): ``F.linear`` with a
+   cached decompressed weight when ``cache_dense`` is on (the default), else decompress per call.
+
+The cache is keyed on the storage and version counter of ``values`` and ``meta`` (in-place updates
+by optimizers, ``load_state_dict`` or ``copy_`` invalidate it) and dropped on ``train()`` /
+``eval()`` / ``.to()``. Writes through ``.data`` bypass version counters: call :meth:`clear_cache`
+after them.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TargetError
-from ..modules import dense_weight_view
+from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
-from .format import compress, compressed_shapes, decompress
+from .format import compress, compressed_shapes, decompress, kept_columns
 
-__all__ = ["SparseLinear"]
+__all__ = ["SparseLinear", "set_dense_cache"]
 
 
 @lru_cache(maxsize=1)
@@ -28,11 +44,21 @@ def _fast_kernel() -> Any:
 
 
 class SparseLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` kept as N:M ``values`` + ``meta`` buffers (see :mod:`.format`).
+    """``y = x @ W.T + b`` with ``W`` kept as N:M ``values`` (a parameter) + ``meta`` (a buffer).
 
-    On CUDA the Triton kernel ``hf_maskllm.kernels.nm_linear`` is used when available; otherwise
-    the weight is decompressed for each call (nothing is cached, so memory stays compressed).
+    Args:
+        in_features, out_features: the dense shape of ``W``.
+        n, m: the pattern (``n`` kept of every ``m`` consecutive inputs).
+        bias: whether the layer has a bias.
+        conv1d: the layer replaces a transformers GPT-2 ``Conv1D`` (weight stored ``[in, out]``);
+            :meth:`to_dense` then rebuilds a ``Conv1D``.
+
+    Attributes:
+        cache_dense: keep the decompressed weight between calls when no gradient is needed for
+            ``values`` (CPU and the non-Triton routes): dense speed, costs one dense weight of memory.
     """
+
+    cache_dense: bool = True
 
     def __init__(
         self,
@@ -43,6 +69,7 @@ class SparseLinear(nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        conv1d: bool = False,
     ) -> None:
         super().__init__()
         check_nm_args(n, m)
@@ -51,59 +78,138 @@ class SparseLinear(nn.Module):
                 f"in_features={in_features} is not divisible by m={m}; this layer cannot be N:M."
             )
         self.in_features, self.out_features, self.n, self.m = in_features, out_features, n, m
+        self.conv1d = conv1d
         v_shape, m_shape = compressed_shapes(out_features, in_features, n, m)
-        self.register_buffer("values", torch.zeros(v_shape, device=device, dtype=dtype))
+        self.values = nn.Parameter(torch.zeros(v_shape, device=device, dtype=dtype))
         self.register_buffer("meta", torch.zeros(m_shape, device=device, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self._cache: torch.Tensor | None = None
+        self._cache_key: tuple | None = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, bias={self.bias is not None}"
 
+    # ------------------------------------------------------------------ the dense weight
     def dense_weight(self) -> torch.Tensor:
-        """The decompressed ``[out, in]`` weight."""
+        """The decompressed ``[out, in]`` weight (differentiable with respect to ``values``)."""
         return decompress(self.values, self.meta, self.n, self.m, self.in_features)
+
+    def kept_columns(self) -> torch.Tensor:
+        """``int64 [out, kept]``: the dense input column of every entry of ``values``."""
+        return kept_columns(self.meta, self.n, self.m, self.values.shape[1])
+
+    def keep_mask(self) -> torch.Tensor:
+        """The bool keep-mask ``[out, in]`` (the stored positions)."""
+        mask = torch.zeros(self.out_features, self.in_features, dtype=torch.bool, device=self.meta.device)
+        return mask.scatter_(1, self.kept_columns(), True)
+
+    def _key(self) -> tuple:
+        v, meta = self.values, self.meta
+        return (v.data_ptr(), v._version, v.dtype, v.device, meta.data_ptr(), meta._version)
+
+    def cached_dense_weight(self) -> torch.Tensor:
+        """The decompressed weight, detached, kept until ``values`` or ``meta`` change."""
+        key = self._key()
+        if self._cache is None or self._cache_key != key:
+            self._cache = None  # free the stale copy before building the new one
+            with torch.no_grad():
+                self._cache = self.dense_weight()
+            self._cache_key = key
+        return self._cache
+
+    def clear_cache(self) -> None:
+        """Drop the cached dense weight (needed only after writing ``values`` through ``.data``)."""
+        self._cache, self._cache_key = None, None
+
+    def train(self, mode: bool = True) -> SparseLinear:
+        self.clear_cache()
+        return super().train(mode)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseLinear:
+        self.clear_cache()
+        return super()._apply(fn, recurse)
 
     @property
     def weight(self) -> torch.Tensor:
-        """A fresh dense ``[out, in]`` copy (read-only in effect: writing to it does not change the layer).
+        """A fresh, detached dense ``[out, in]`` copy (writing to it does not change the layer).
 
-        Marked ``_is_hf_initialized`` so that model ``_init_weights`` code reaching for ``.weight``
-        (e.g. GPT-2's scaled ``c_proj`` init) leaves it alone.
+        To change the weights, update ``values`` (kept positions only). Marked
+        ``_is_hf_initialized`` so that model ``_init_weights`` code reaching for ``.weight`` (e.g.
+        GPT-2's scaled ``c_proj`` init) leaves it alone.
         """
-        dense = self.dense_weight()
+        with torch.no_grad():
+            dense = self.dense_weight()
         dense._is_hf_initialized = True
         return dense
 
+    # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (kernel := _fast_kernel()) is not None:
+        grad = torch.is_grad_enabled()
+        cache = self._cache
+        if not grad and cache is not None and cache.dtype == x.dtype and self._cache_key == self._key():
+            return F.linear(x, cache, self.bias)  # the decode hot path: as cheap as nn.Linear
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if grad and self.values.requires_grad:  # training the sparse weights themselves
+            return F.linear(x, self.dense_weight().to(x.dtype), bias)
+        wants_grad = grad and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
+        if x.is_cuda and not wants_grad and (kernel := _fast_kernel()) is not None:
             return kernel(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
-        return F.linear(
-            x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-        )
+        weight = self.cached_dense_weight() if self.cache_dense else self.dense_weight()
+        return F.linear(x, weight.to(x.dtype), bias)
 
+    # ------------------------------------------------------------------ conversions
     @classmethod
     def from_dense(cls, linear: nn.Module, n: int = 2, m: int = 4) -> SparseLinear:
-        """Compress an N:M ``nn.Linear`` / ``Conv1D`` (raises ``NMViolationError`` if it is not N:M)."""
+        """Compress an N:M ``nn.Linear`` / ``Conv1D`` (raises ``NMViolationError`` if it is not N:M).
+
+        ``values`` keeps the ``requires_grad`` of the dense weight.
+        """
         weight = dense_weight_view(linear)
         out_features, in_features = weight.shape
         bias = getattr(linear, "bias", None)
-        layer = cls(in_features, out_features, n, m, bias is not None, device="meta", dtype=weight.dtype)
+        layer = cls(
+            in_features, out_features, n, m, bias is not None, "meta", weight.dtype, conv1d=is_conv1d(linear)
+        )
         values, meta = compress(weight, n, m)
-        layer.values, layer.meta = values, meta
+        layer.values = nn.Parameter(values, requires_grad=weight.requires_grad)
+        layer.meta = meta
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         return layer
 
-    def to_dense(self) -> nn.Linear:
-        """An ``nn.Linear`` holding the decompressed weight (same dtype and device)."""
+    @torch.no_grad()
+    def to_dense(self) -> nn.Module:
+        """The dense layer (``nn.Linear``, or ``Conv1D`` if it replaced one) holding the decompressed weight."""
+        weight = self.dense_weight()
+        if self.conv1d:
+            from transformers.pytorch_utils import Conv1D
+
+            layer = Conv1D(self.out_features, self.in_features)
+            layer.weight = nn.Parameter(weight.t().contiguous())
+            layer.bias = nn.Parameter(
+                self.bias.detach().clone()
+                if self.bias is not None
+                else torch.zeros(self.out_features, dtype=weight.dtype, device=weight.device)
+            )
+            return layer
         linear = nn.Linear(
-            self.in_features,
-            self.out_features,
-            bias=self.bias is not None,
-            device="meta",
-            dtype=self.values.dtype,
+            self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=weight.dtype
         )
-        linear.weight = nn.Parameter(self.dense_weight())
+        linear.weight = nn.Parameter(weight)
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias.detach().clone())
         return linear
+
+
+def set_dense_cache(model: nn.Module, enabled: bool) -> int:
+    """Turn the decompressed-weight cache of every :class:`SparseLinear` in ``model`` on or off.
+
+    Off: memory stays compressed and CPU forwards decompress per call (several times slower).
+    Returns the number of layers changed.
+    """
+    layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
+    for layer in layers:
+        layer.cache_dense = bool(enabled)
+        if not enabled:
+            layer.clear_cache()
+    return len(layers)

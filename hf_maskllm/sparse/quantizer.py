@@ -231,7 +231,13 @@ class NMSparseHfQuantizer(HfQuantizer):
             parent = model.get_submodule(parent_name) if parent_name else model
             with torch.device("meta"):
                 sparse = SparseLinear(
-                    in_features, out_features, cfg.n, cfg.m, module.bias is not None, dtype=dtype
+                    in_features,
+                    out_features,
+                    cfg.n,
+                    cfg.m,
+                    module.bias is not None,
+                    dtype=dtype,
+                    conv1d=is_conv1d(module),
                 )
             setattr(parent, child, sparse)
         if entries is not None:
@@ -256,23 +262,40 @@ class NMSparseHfQuantizer(HfQuantizer):
                     )
                 except CheckpointError as e:
                     raise CheckpointError(f"{where}: {e}") from None
-                if not bool(torch.isfinite(module.values).all()):
+                if not bool(torch.isfinite(module.values.detach()).all()):
                     raise CheckpointError(
                         f"{where}: {name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
                     )
+        from .convert import bind_save_pretrained
+
+        bind_save_pretrained(model)
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-        # transformers' save path cannot write the plain-transformers guard into config.json.
+        # transformers' own writer cannot put the plain-transformers guard into config.json nor the per-tensor
+        # checksums into every shard; loaded models get a `save_pretrained` that calls `save_compressed`
+        # (convert.bind_save_pretrained), so this is reached only through `PreTrainedModel.save_pretrained(model, ...)`.
         logger.warning(
-            "A compressed N:M model is saved with `hf_maskllm.sparse.save_compressed(model, directory)`, "
-            "not model.save_pretrained."
+            "A compressed N:M model is saved with `model.save_pretrained(directory)` on the loaded model or "
+            "`hf_maskllm.sparse.save_compressed(model, directory)`."
         )
         return False
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        # The kept weights (`values`) train directly and stay N:M; PEFT LoRA works through hf_maskllm.sparse.peft.
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        # Lets `Trainer` train the compressed model without adapters (what transformers calls QAT).
+        return True
+
+    def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """Replace every :class:`SparseLinear` by its dense layer (zeros kept); ``model.dequantize()`` calls it."""
+        from .convert import to_dense_layers
+
+        return to_dense_layers(model)
 
 
 def register() -> None:

@@ -1,0 +1,138 @@
+"""SparseLinear on CPU: every forward route against the dense reference, gradients, and the dense-weight cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import single_thread  # noqa: F401  (autouse fixture)
+from transformers.pytorch_utils import Conv1D
+
+from hf_maskllm.sparse import SparseLinear, set_dense_cache
+
+
+def nm_linear(
+    out_features: int, in_features: int, n: int, m: int, dtype: torch.dtype, seed: int = 0
+) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features).to(dtype)
+    with torch.no_grad():
+        groups = linear.weight.view(out_features, -1, m)
+        groups.scatter_(-1, groups.abs().argsort(dim=-1)[..., : m - n], 0.0)
+        linear.bias.normal_()
+    return linear
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
+CASES = [(2, 4, 37, 64), (1, 4, 16, 24), (3, 8, 23, 40), (4, 8, 8, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,m,out_f,in_f", CASES)
+def test_every_cpu_route_matches_dense(n, m, out_f, in_f, dtype):
+    dense = nm_linear(out_f, in_f, n, m, dtype)
+    sparse = SparseLinear.from_dense(dense, n, m)
+    x = torch.randn(3, 5, in_f, dtype=dtype)
+    expected = F.linear(x, dense.weight.detach(), dense.bias.detach())
+    # bf16: both routes run the very same F.linear on the very same (exactly decompressed) weight
+    with torch.no_grad():
+        cached = sparse(x)
+        assert sparse._cache is not None
+        torch.testing.assert_close(cached, expected, **TOL[dtype])
+        torch.testing.assert_close(sparse(x), cached, rtol=0, atol=0)  # the hot path
+        set_dense_cache(sparse, False)
+        assert sparse._cache is None
+        torch.testing.assert_close(sparse(x), expected, **TOL[dtype])
+        set_dense_cache(sparse, True)
+    torch.testing.assert_close(sparse(x), expected, **TOL[dtype])  # grad enabled: the training route
+
+
+@pytest.mark.parametrize("n,m,out_f,in_f", CASES)
+def test_gradients_match_dense_at_kept_positions(n, m, out_f, in_f):
+    dense = nm_linear(out_f, in_f, n, m, torch.float32)
+    sparse = SparseLinear.from_dense(dense, n, m)
+    x = torch.randn(4, in_f)
+    x_dense, x_sparse = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(4, out_f)
+    (dense(x_dense) * g).sum().backward()
+    (sparse(x_sparse) * g).sum().backward()
+    torch.testing.assert_close(x_sparse.grad, x_dense.grad)
+    torch.testing.assert_close(sparse.bias.grad, dense.bias.grad)
+    # values.grad is the dense weight gradient read at the stored positions, nothing else
+    torch.testing.assert_close(sparse.values.grad, dense.weight.grad.gather(1, sparse.kept_columns()))
+    assert sparse.values.grad.shape[1] == in_f * n // m
+
+
+def test_frozen_values_use_the_cache_and_still_pass_input_gradients():
+    dense = nm_linear(16, 32, 2, 4, torch.float32)
+    sparse = SparseLinear.from_dense(dense, 2, 4)
+    sparse.values.requires_grad_(False)
+    x = torch.randn(2, 32, requires_grad=True)
+    y = sparse(x)
+    assert sparse._cache is not None  # LoRA-style training: the base stays cached
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, dense.weight.detach().sum(0).expand(2, -1))
+
+
+def reference(layer: SparseLinear, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return F.linear(x, layer.dense_weight(), layer.bias)
+
+
+def test_cache_follows_optimizer_steps_load_state_dict_and_dtype_changes():
+    sparse = SparseLinear.from_dense(nm_linear(16, 32, 2, 4, torch.float32), 2, 4)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        before = sparse(x)
+    # an optimizer step (foreach in-place update) changes values: the cache must not serve the old weight
+    opt = torch.optim.SGD([sparse.values], lr=0.5)
+    sparse.values.grad = torch.ones_like(sparse.values)
+    opt.step()
+    with torch.no_grad():
+        after = sparse(x)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, reference(sparse, x), rtol=0, atol=0)
+    # loading other values (copy_ into the parameter)
+    other = SparseLinear.from_dense(nm_linear(16, 32, 2, 4, torch.float32, seed=5), 2, 4)
+    sparse.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x), reference(other, x), rtol=0, atol=0)
+    # writes through .data bypass version counters: clear_cache() is the documented way
+    with torch.no_grad():
+        sparse(x)
+    sparse.values.data.mul_(2.0)
+    sparse.clear_cache()
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x), reference(sparse, x), rtol=0, atol=0)
+    # a dtype change drops the cache and serves the new dtype
+    sparse.to(torch.bfloat16)
+    assert sparse._cache is None
+    xb = x.bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(xb), reference(sparse, xb), rtol=0, atol=0)
+    sparse.train()
+    assert sparse._cache is None
+
+
+def test_weight_is_a_copy_and_to_dense_rebuilds_conv1d():
+    torch.manual_seed(0)
+    conv = Conv1D(12, 16)  # weight [in, out]
+    with torch.no_grad():
+        w = conv.weight.t().contiguous()
+        groups = w.view(12, -1, 4)
+        groups.scatter_(-1, groups.abs().argsort(dim=-1)[..., :2], 0.0)
+        conv.weight.copy_(w.t())
+        conv.bias.normal_()
+    sparse = SparseLinear.from_dense(conv, 2, 4)
+    assert sparse.conv1d
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x), conv(x))
+        sparse.weight.add_(1.0)  # a write to the copy does not change the layer
+        torch.testing.assert_close(sparse(x), conv(x))
+    back = sparse.to_dense()
+    assert (
+        isinstance(back, Conv1D)
+        and torch.equal(back.weight, conv.weight)
+        and torch.equal(back.bias, conv.bias)
+    )
