@@ -140,3 +140,25 @@ def test_merge_conv1d_keeps_its_layout():
     weight = merged.get_submodule(name).weight
     assert weight.shape == stored.shape
     assert torch.equal(weight, stored * mask.t())
+
+
+def test_merge_keep_mask_stays_nm_through_training():
+    from hf_maskllm import SparseLinear
+
+    mm = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude"))
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    mm.eval()
+    with torch.no_grad():
+        expected = mm(input_ids=ids).logits
+    sparse = mm.merge_and_unload(keep_mask=True)
+    assert sum(isinstance(mod, SparseLinear) for mod in sparse.modules()) == len(mm.masked_names)
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    params = [p for p in sparse.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1)
+    sparse.train()
+    for _ in range(2):  # weight updates move the kept weights only: the model stays exactly 2:4
+        opt.zero_grad()
+        sparse(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        assert check_nm(sparse, 2, 4).ok

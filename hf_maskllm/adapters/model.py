@@ -413,13 +413,21 @@ class MaskModel(NamedMasksMixin, nn.Module):
                 "MaskModel is empty. Use the model merge_and_unload() returned."
             )
 
-    def merge_and_unload(self) -> nn.Module:
+    def merge_and_unload(self, keep_mask: bool = False) -> nn.Module:
         """Write ``W * hard_mask`` of the active mask into every masked layer and return the plain model.
 
         Every hard mask is verified to keep at most ``n`` of each ``m`` inputs before any weight is
-        written. The other masks are dropped with the wrappers.
+        written. The other masks are dropped with the wrappers. The plain layers hold zeros but not the
+        mask: a later weight update (training, a LoRA merge) makes them dense again.
+        ``keep_mask=True`` returns compressed, trainable ``SparseLinear`` layers instead, which stay
+        exactly N:M through training, PEFT LoRA and saving (``hf_maskllm.sparse.to_sparse_layers``).
         """
         cfg = self.mask_config
+        names = list(self.masked_names)
         merge_layers(self.base_model, self.masked_layers(), cfg.n, cfg.m)
         self._merged = True
+        if keep_mask:
+            from ..sparse.convert import to_sparse_layers
+
+            return to_sparse_layers(self.base_model, cfg.n, cfg.m, modules=names)
         return self.base_model
