@@ -49,12 +49,16 @@ def assert_flushed_match(ours: torch.Tensor, ref: torch.Tensor, name: str) -> No
     """No denormal in ``ours``; equal to ``ref`` (float64) where ``ref`` is in the normal range, else zero
     (or, within float32 rounding of the boundary, the smallest normals)."""
     assert not is_denormal(ours).any(), f"{name}: {int(is_denormal(ours).sum())} denormal values"
-    assert below_normal(ref).any(), f"{name}: the reference never leaves the normal range; test exercises nothing"
+    assert below_normal(ref).any(), (
+        f"{name}: the reference never leaves the normal range; test exercises nothing"
+    )
     ours = ours.double()
     normal = ref.abs() >= FLOAT32_TINY
     bad = (ours - ref).abs() > RTOL * ref.abs()
     assert not (bad & normal).any(), f"{name}: mismatch at {(bad & normal).nonzero()[:5].tolist()}"
-    assert (ours[~normal].abs() < FLOAT32_TINY * (1 + RTOL)).all(), f"{name}: a below-normal value became large"
+    assert (ours[~normal].abs() < FLOAT32_TINY * (1 + RTOL)).all(), (
+        f"{name}: a below-normal value became large"
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -82,7 +86,10 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
     # The unflushed float32 formula does produce denormals here: what the flush removes.
     plain = torch.softmax((KAPPA * logits - torch.log(-torch.log(sampling.gumbel_uniform(
         sampling.seed_tensor(SEED), *logits.shape, logits.device)))) / TAU, dim=-1)  # fmt: skip
-    assert is_denormal(plain).any() and is_denormal(weight * (plain @ candidate_patterns(2, 4)).view(48, 64)).any()
+    assert (
+        is_denormal(plain).any()
+        and is_denormal(weight * (plain @ candidate_patterns(2, 4)).view(48, 64)).any()
+    )
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
