@@ -16,7 +16,7 @@ from models import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
 
 from hf_maskllm.adapters import MaskedLinear, fused_linear, sampling
-from hf_maskllm.adapters.denormals import FLOAT32_TINY, is_denormal, masked_weight_product
+from hf_maskllm.adapters.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
 from hf_maskllm.patterns import candidate_patterns
 
 TAU, KAPPA = 0.05, 500.0  # the end of the default schedule
@@ -181,3 +181,11 @@ def test_masked_weight_product_keeps_the_plain_gradients():
     expected = upstream * mask.detach()
     expected = torch.where(expected.abs() < FLOAT32_TINY, 0.0, expected)
     torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+
+
+def test_exp_clamp_is_the_smallest_float32_with_a_normal_exponential():
+    """The sampler evaluates exp at this bound on every underflowed lane: it must not give a denormal."""
+    bound = torch.full((64,), LN_FLOAT32_TINY)
+    assert (bound.exp() >= FLOAT32_TINY).all()
+    below = torch.nextafter(bound, torch.tensor(-100.0))
+    assert (below.exp() < FLOAT32_TINY).all()  # so exp(x) for x under the bound is below the normal range
