@@ -26,6 +26,15 @@ SEED = 11
 RTOL = 1e-3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compiled_code():
+    """Leave no compiled sampling code behind: a later module compiling other (n, m) from a clean state
+    is what that module tests."""
+    yield
+    torch._dynamo.reset()
+    fused_linear._COMPILED.clear()
+
+
 def spread_logits(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """N(0, 0.01) logits plus the magnitude prior at the default strength (3 sigma per overlap)."""
     cand = candidate_patterns(n, m)
