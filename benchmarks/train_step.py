@@ -1,26 +1,39 @@
-"""Cost of a masked training step on SmolLM2-135M-Instruct against a frozen dense forward + backward.
+"""Cost of a masked training step against a frozen dense forward + backward, over the whole schedule.
 
 The dense baseline is what mask learning must at least pay: forward + backward to the inputs with
 every weight frozen. The masked step (the defaults: bf16 logits, fused sampling, MaskAdamW) adds
-sampling the 2:4 masks of 26.5 M groups, the weight gradient of every masked linear (one more
-matmul per linear: about 1.4x by itself), the logits' gradient, and the optimizer step. Each
-configuration runs in its own process (so its peak RSS is its own): median seconds of ``--repeats``
-steps after two warm-up steps (compilation), ratio to dense at the same token count, peak RSS.
+sampling the 2:4 masks, the weight gradient of every masked linear (one more matmul per linear:
+about 1.4x by itself on SmolLM2), the logits' gradient and the optimizer step.
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256,4x512 --repeats 3 --bf16 --device cuda]
-GPU machine (no SmolLM2 file there): add ``--model llama-1b`` (Llama-3.2-1B shape, random weights:
-the step's cost does not depend on the weights' values).
+Its cost must not depend on where the run is in its schedule: at a low temperature most
+probabilities underflow, and unflushed denormal floats made CPU steps 5-12x slower. So the masked
+step is timed at several points of the default schedule (tau 4 -> 0.05 with kappa 100 -> 500
+linearly alongside; logits from a magnitude prior at the default strength, spread as in a trained
+run), each interleaved with the dense step in the same process (``--repeats`` rounds, medians).
+Then a real ``learn_mask`` run of ``--run-steps`` steps on the embedded Wikipedia text (from the
+same prior; its schedule annealed from start to end over those steps) gives the mean and last steps
+of an actual run, with dense steps timed in the same process before and after it. Each masked mode runs in its
+own process. Results: ``--out`` .md and .json (command, machine, date, versions).
+
+Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256 --repeats 3 --threads 2 --bf16]
+GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda`` (Llama-3.2-1B shape,
+random weights: the step's cost does not depend on the weights' values; no real run there).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,7 +42,7 @@ MODES = {
     "masked": "masked 2:4, fused + compiled sampling, MaskAdamW step",
     "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
 }
-
+TAUS = "4,1,0.3,0.05"
 
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -38,24 +51,62 @@ LLAMA_1B = dict(
 
 
 def load_model(name: str):
-    """SmolLM2-135M-Instruct (the embedded real model) or a random Llama-3.2-1B-shaped model."""
+    """SmolLM2-135M-Instruct and its tokenizer (the embedded real model), or a random Llama-3.2-1B shape."""
     if name == "smollm2":
         from hf_maskllm.embedded import load_smollm2
 
-        return load_smollm2()[0]
+        return load_smollm2()
     if name == "llama-1b":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+        return LlamaForCausalLM(LlamaConfig(**LLAMA_1B)), None
     raise SystemExit(f"unknown --model {name!r}; use smollm2 or llama-1b")
 
 
-def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: str, model_name: str) -> dict:
+def kappa_at(tau: float, config) -> float:
+    """The kappa that the default linear schedules pair with ``tau``."""
+    (tau0, tau1), (kappa0, kappa1) = config.tau, config.kappa
+    progress = (tau0 - tau) / (tau0 - tau1)
+    return kappa0 + (kappa1 - kappa0) * progress
+
+
+class StepTimer:
+    """A TrainerCallback: wall seconds of every optimizer step, with the tau it ran at."""
+
+    def __init__(self, sync) -> None:
+        self.sync, self.steps, self._start = sync, [], 0.0
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.sync()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.sync()
+        layer = next(iter(model.masked_layers().values()))
+        self.steps.append(
+            {"seconds": time.perf_counter() - self._start, "tau": layer.tau, "kappa": layer.kappa}
+        )
+
+    def __getattr__(self, name):  # every other TrainerCallback event: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def log(message: str) -> None:
+    """Progress on stderr (the parent keeps stdout for the result)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def child(mode: str, batch: int, seqlen: int, args) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
     from hf_maskllm.optim import training_state_bytes
 
-    model = load_model(model_name)
+    torch.set_num_threads(args.threads)
+    device = args.device
+    model, tokenizer = load_model(args.model)
+    log(f"{mode}: model loaded")
     model.to(device).train()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -63,111 +114,258 @@ def child(mode: str, batch: int, seqlen: int, repeats: int, bf16: bool, device: 
         0, model.config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0)
     )
     ids = ids.to(device)
-    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=args.bf16)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    state_bytes = None
+
+    def dense_step() -> None:
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        with autocast:
+            loss = model(inputs_embeds=embeds, labels=ids).loss
+        loss.backward()
+
+    def timed(fn) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    result: dict = {"threads": torch.get_num_threads()}
     if mode == "dense":
-
-        def step() -> None:
-            embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-            with autocast:
-                loss = model(inputs_embeds=embeds, labels=ids).loss
-            loss.backward()
-
+        dense_step()
+        dense_step()
+        result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
-        mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
+        config = MaskConfig(prior="magnitude")  # default prior strength: logits spread like a trained run
+        mask_model = get_mask_model(model, config)
+        prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
-        mask_model.sparse_reg_weight = 1e-5
+        mask_model.sparse_reg_weight = config.sparse_reg
         mask_model.set_compiled_sampling(mode == "masked")
-        optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4)
+        optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=mode == "masked")
 
-        def step() -> None:
+        def masked_step() -> None:
             with autocast:
                 loss = mask_model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    step()
-    step()  # warm-up, compilation
-    sync()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        runs.append(time.perf_counter() - start)
-    if mode != "dense":
+        def dense_in_place() -> None:
+            with mask_model.disable_masks():
+                dense_step()
+
+        taus = [float(t) for t in args.taus.split(",")]
+        for tau in taus[:1] + taus[-1:]:  # warm-up, compilation
+            mask_model.set_schedule_values(tau, kappa_at(tau, config))
+            masked_step()
+            log(f"{mode}: warm-up step at tau {tau:g} done")
+        dense_in_place()
+        points = {tau: [] for tau in taus}
+        dense = []
+        for _ in range(args.repeats):  # interleaved: dense, then every point of the schedule
+            for tau in taus:
+                dense.append(timed(dense_in_place))
+                mask_model.set_schedule_values(tau, kappa_at(tau, config))
+                points[tau].append(timed(masked_step))
+                log(f"{mode}: tau {tau:g}: dense {dense[-1]:.2f} s, masked {points[tau][-1]:.2f} s")
+        result["dense"] = dense
+        result["points"] = [
+            {"tau": tau, "kappa": kappa_at(tau, config), "seconds": runs} for tau, runs in points.items()
+        ]
         sizes = training_state_bytes(mask_model, optimizer)
         masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
-        state_bytes = sum(sizes.values()) / masked
-    return {
-        "seconds": statistics.median(runs),
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30
-        if torch.device(device).type == "cuda"
-        else None,
-        "state_bytes_per_weight": state_bytes,
-        "threads": torch.get_num_threads(),
-    }
+        result["state_bytes_per_weight"] = sum(sizes.values()) / masked
+        if mode == "masked" and args.run_steps > 0 and tokenizer is not None:
+            with torch.no_grad():  # the run starts from the prior again
+                for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
+                    layer.mask_logits.copy_(logits)
+            del optimizer
+            print(json.dumps(result), flush=True)  # the schedule points, should the run fail
+            result["run"] = real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step)
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if torch.device(device).type == "cuda":
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step) -> dict:
+    """``learn_mask`` on real text for ``args.run_steps`` steps, from ``mask_model``'s current logits."""
+    from hf_maskllm.data import causal_lm_dataset
+    from hf_maskllm.learn import learn_mask
+
+    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=seqlen, max_samples=batch * args.run_steps)
+    # As in a fresh process: the schedule points' compiled code (another optimizer, a constant lr) would
+    # count against torch.compile's recompile limit and could push the run's kernels back to eager.
+    torch._dynamo.reset()
+    with mask_model.disable_masks():
+        dense_before = [timed(dense_step) for _ in range(args.repeats)]
+    timer = StepTimer(sync)
+    log(f"real run: {args.run_steps} steps of learn_mask")
+    learn_mask(
+        mask_model, train, max_steps=args.run_steps, batch_size=batch, bf16=args.bf16, disable_tqdm=True,
+        logging_steps=args.run_steps, callbacks=[timer],
+    )  # fmt: skip
+    mask_model.train()
+    with mask_model.disable_masks():
+        dense_after = [timed(dense_step) for _ in range(args.repeats)]
+    return {"steps": timer.steps, "dense": dense_before + dense_after}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores{gpu}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", default="2x256,4x512", help="batch x seqlen per step, comma separated")
-    parser.add_argument("--modes", default="dense,masked,masked-eager")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
+    parser.add_argument(
+        "--modes", default="dense,masked", help="dense, masked, masked-eager (comma separated)"
+    )
+    parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--run-steps", type=int, default=None, help="steps of the real learn_mask run (0: none; "
+                        "default 10 for smollm2, 0 for llama-1b, which has no tokenizer or text)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model", default="smollm2", help="smollm2 (real, embedded) or llama-1b (random)")
+    parser.add_argument("--out", default="benchmarks/results/train_step", help="results path without suffix")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_steps is None:
+        args.run_steps = 10 if args.model == "smollm2" else 0
     if args.child:
         batch, seqlen = (int(v) for v in args.shapes.split("x"))
-        print(json.dumps(child(args.child, batch, seqlen, args.repeats, args.bf16, args.device, args.model)))
+        print(json.dumps(child(args.child, batch, seqlen, args)))
         return
-    rows = []
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; use {', '.join(MODES)}")
+    measured = [m for m in modes if m != "dense"] or ["dense"]  # the masked children time dense too
+    results = []
     for shape in args.shapes.split(","):
         batch, seqlen = (int(v) for v in shape.split("x"))
-        for mode in args.modes.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                mode,
-                "--shapes",
-                shape,
-                "--repeats",
-                str(args.repeats),
-            ]
-            cmd += ["--bf16"] if args.bf16 else []
-            cmd += ["--device", args.device, "--model", args.model]
-            out = (
-                subprocess.run(cmd, capture_output=True, text=True, check=True)
-                .stdout.strip()
-                .splitlines()[-1]
+        for mode in measured:
+            cmd = [sys.executable, __file__, "--child", mode, *child_args(args, shape)]
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress: on stderr
+            if proc.returncode != 0:
+                raise SystemExit(
+                    f"{shape} {mode} failed (exit status {proc.returncode}); see its output above"
+                )
+            results.append(
+                {
+                    "shape": shape,
+                    "tokens": batch * seqlen,
+                    "mode": mode,
+                    **json.loads(proc.stdout.splitlines()[-1]),
+                }
             )
-            rows.append((batch * seqlen, mode, json.loads(out)))
-            print(shape, mode, rows[-1][2], flush=True)
-    where = args.device if args.device != "cpu" else f"{rows[0][2]['threads']} CPU threads"
+            print(shape, mode, json.dumps(results[-1]), flush=True)  # fmt: skip
+    write_results(args, results)
+
+
+def child_args(args, shape: str) -> list[str]:
+    out = [
+        "--shapes",
+        shape,
+        "--taus",
+        args.taus,
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
+    out += ["--run-steps", str(args.run_steps), "--device", args.device, "--model", args.model]
+    return out + (["--bf16"] if args.bf16 else [])
+
+
+def write_results(args, results: list[dict]) -> None:
+    import transformers
+
     title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
         args.model
     ]
-    print(f"\n{title}, {'bf16 autocast' if args.bf16 else 'float32'}, {where}")
-    print("| tokens / step | step | median s | vs dense | peak RSS | peak GPU | training state |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for tokens, mode, r in rows:
-        dense = next(x for t, m, x in rows if t == tokens and m == "dense")["seconds"]
-        state = f"{r['state_bytes_per_weight']:.2f} B / masked weight" if r["state_bytes_per_weight"] else ""
-        gpu = f"{r['peak_gpu_gib']:.2f} GiB" if r.get("peak_gpu_gib") is not None else ""
-        print(
-            f"| {tokens} | {MODES[mode]} | {r['seconds']:.2f} | {r['seconds'] / dense:.2f}x | "
-            f"{r['peak_rss_gib']:.2f} GiB | {gpu} | {state} |"
-        )
+    where = args.device if args.device != "cpu" else f"{results[0]['threads']} CPU threads"
+    command = "HF_HUB_OFFLINE=1 python " + " ".join(shlex.quote(a) for a in sys.argv)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}"
+    lines = [
+        f"# Masked training step vs frozen dense step over the schedule: {title}",
+        "",
+        f"Command: `{command}`",
+        f"Machine: {machine()}; {where}; {'bf16 autocast' if args.bf16 else 'float32 compute'}. Date: {now}. {versions}.",
+        "",
+        "Schedule points: the masked step at each tau with the kappa that the default linear schedules pair "
+        "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the default strength "
+        f"(alpha 3); median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
+        "process (dense: median of all of them). The masked step includes the MaskAdamW step.",
+        "",
+        "| tokens / step | step | tau | kappa | median s | vs dense |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        dense = statistics.median(r["dense"])
+        lines.append(f"| {r['tokens']} | {MODES['dense']} | | | {dense:.2f} | 1.00x |")
+        for p in r.get("points", []):
+            sec = statistics.median(p["seconds"])
+            lines.append(
+                f"| {r['tokens']} | {MODES[r['mode']]} | {p['tau']:g} | {p['kappa']:.0f} | {sec:.2f} | "
+                f"**{sec / dense:.2f}x** |"
+            )
+    runs = [r for r in results if "run" in r]
+    if runs:
+        lines += [
+            "",
+            f"Real run: `learn_mask` for {args.run_steps} steps on the embedded Wikipedia training text "
+            "(magnitude prior, default schedules annealed over those steps: step k runs at progress "
+            f"k / {args.run_steps}), then dense steps timed in the same process before and after the run. "
+            "Compiled code is reset before the run, as in a fresh process; mean over the steps after the first "
+            "two (which compile).",
+            "",
+            "| tokens / step | dense median s | run: mean s (steps 3+) | vs dense | last step s (tau) | "
+            "mean of last 3 | vs dense |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in runs:
+            steps, dense = r["run"]["steps"], statistics.median(r["run"]["dense"])
+            warm = [s["seconds"] for s in steps[2:]] or [s["seconds"] for s in steps]
+            last3 = statistics.mean(s["seconds"] for s in steps[-3:])
+            mean = statistics.mean(warm)
+            lines.append(
+                f"| {r['tokens']} | {dense:.2f} | {mean:.2f} | **{mean / dense:.2f}x** | "
+                f"{steps[-1]['seconds']:.2f} ({steps[-1]['tau']:.3g}) | {last3:.2f} | **{last3 / dense:.2f}x** |"
+            )
+            per_step = ", ".join(f"{s['seconds']:.2f} (tau {s['tau']:.3g})" for s in steps)
+            lines += ["", f"Steps of the {r['tokens']}-token run, s: {per_step}."]
+    lines += ["", "Peak RSS per process: " + ", ".join(
+        f"{r['shape']} {r['mode']} {r['peak_rss_gib']:.2f} GiB" for r in results
+    ) + "; training state: " + ", ".join(
+        f"{r['state_bytes_per_weight']:.2f} B / masked weight" for r in results if r.get("state_bytes_per_weight")
+    ) + "."]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    meta = {"command": command, "machine": machine(), "date": now, "versions": versions, "where": where}
+    out.with_suffix(".json").write_text(
+        json.dumps({**meta, "bf16": args.bf16, "results": results}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

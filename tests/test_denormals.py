@@ -16,7 +16,7 @@ from models import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
 
 from hf_maskllm.adapters import MaskedLinear, fused_linear, sampling
-from hf_maskllm.adapters.denormals import FLOAT32_TINY, is_denormal, masked_weight_product
+from hf_maskllm.adapters.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
 from hf_maskllm.patterns import candidate_patterns
 
 TAU, KAPPA = 0.05, 500.0  # the end of the default schedule
@@ -24,6 +24,15 @@ SEED = 11
 # float32 exponents of size kappa / tau * |logit| (hundreds) carry absolute errors of about 1e-4:
 # the probabilities they give are exact to about 1e-4 relative, so compare at 1e-3.
 RTOL = 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compiled_code():
+    """Leave no compiled sampling code behind: a later module compiling other (n, m) from a clean state
+    is what that module tests."""
+    yield
+    torch._dynamo.reset()
+    fused_linear._COMPILED.clear()
 
 
 def spread_logits(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -49,12 +58,16 @@ def assert_flushed_match(ours: torch.Tensor, ref: torch.Tensor, name: str) -> No
     """No denormal in ``ours``; equal to ``ref`` (float64) where ``ref`` is in the normal range, else zero
     (or, within float32 rounding of the boundary, the smallest normals)."""
     assert not is_denormal(ours).any(), f"{name}: {int(is_denormal(ours).sum())} denormal values"
-    assert below_normal(ref).any(), f"{name}: the reference never leaves the normal range; test exercises nothing"
+    assert below_normal(ref).any(), (
+        f"{name}: the reference never leaves the normal range; test exercises nothing"
+    )
     ours = ours.double()
     normal = ref.abs() >= FLOAT32_TINY
     bad = (ours - ref).abs() > RTOL * ref.abs()
     assert not (bad & normal).any(), f"{name}: mismatch at {(bad & normal).nonzero()[:5].tolist()}"
-    assert (ours[~normal].abs() < FLOAT32_TINY * (1 + RTOL)).all(), f"{name}: a below-normal value became large"
+    assert (ours[~normal].abs() < FLOAT32_TINY * (1 + RTOL)).all(), (
+        f"{name}: a below-normal value became large"
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -82,7 +95,10 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
     # The unflushed float32 formula does produce denormals here: what the flush removes.
     plain = torch.softmax((KAPPA * logits - torch.log(-torch.log(sampling.gumbel_uniform(
         sampling.seed_tensor(SEED), *logits.shape, logits.device)))) / TAU, dim=-1)  # fmt: skip
-    assert is_denormal(plain).any() and is_denormal(weight * (plain @ candidate_patterns(2, 4)).view(48, 64)).any()
+    assert (
+        is_denormal(plain).any()
+        and is_denormal(weight * (plain @ candidate_patterns(2, 4)).view(48, 64)).any()
+    )
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
@@ -174,3 +190,11 @@ def test_masked_weight_product_keeps_the_plain_gradients():
     expected = upstream * mask.detach()
     expected = torch.where(expected.abs() < FLOAT32_TINY, 0.0, expected)
     torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+
+
+def test_exp_clamp_is_the_smallest_float32_with_a_normal_exponential():
+    """The sampler evaluates exp at this bound on every underflowed lane: it must not give a denormal."""
+    bound = torch.full((64,), LN_FLOAT32_TINY)
+    assert (bound.exp() >= FLOAT32_TINY).all()
+    below = torch.nextafter(bound, torch.tensor(-100.0))
+    assert (below.exp() < FLOAT32_TINY).all()  # so exp(x) for x under the bound is below the normal range

@@ -26,7 +26,11 @@ __all__ = [
 ]
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: the smallest normal float32 (bfloat16 shares it)
-LN_FLOAT32_TINY = math.log(FLOAT32_TINY)  # exp(x) is below the normal range for x < this
+# The smallest float32 whose exponential is normal: float32(log(2**-126)) itself lies just below the true
+# logarithm, and its exponential is a denormal (which an exp clamped there would compute on every lane).
+LN_FLOAT32_TINY = torch.nextafter(
+    torch.tensor(math.log(FLOAT32_TINY), dtype=torch.float32), torch.tensor(0.0)
+).item()
 _LIFT = 2.0**32  # products are formed this much larger (a power of two: exact), then scaled back
 
 

@@ -98,8 +98,8 @@ def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau: float, kappa: fl
 
     Column by column (C is small and static) so that compiled code vectorises over groups; a
     softmax over a last dimension of 6 would not. Probabilities below the float32 normal range are
-    0, and no denormal is formed on the way (``denormals.py``): an exponent whose result would be
-    one is not evaluated (its probability, at most the exponential itself, is below the range too).
+    0, and no denormal is formed on the way (``denormals.py``): exp is never evaluated where its
+    result would be denormal (such a probability, at most that result, is below the range too).
     """
     u = gumbel_uniform(seed, logits.shape[0], logits.shape[1], logits.device)
     scores = [
