@@ -44,6 +44,7 @@ try:  # FSDP2 shards parameters as DTensors; builds without torch.distributed ha
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = Shard = type("_Absent", (), {})
+from .adapters.denormals import FLOAT32_TINY
 from .adapters.sampling import hash_bits
 from .errors import ConfigError
 
@@ -89,25 +90,37 @@ def _decode_v8(code: torch.Tensor) -> torch.Tensor:
     return ((((c >> 2) + _V8_BIAS) << 23) | ((c & 3) << 21)).view(torch.float32)
 
 
+def _flush(x: torch.Tensor, below: float) -> torch.Tensor:
+    """``x`` with entries of magnitude below ``below`` set to 0: the products formed from them next would
+    fall below the float32 normal range (denormals, which x86 CPUs process many times slower)."""
+    return torch.where(x.abs() < below, 0.0, x)
+
+
 def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seeds):
     """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
 
     Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
     """
     c = p.shape[1]
-    g = [grad[:, j].float() for j in range(c)]
-    mean_sq = g[0].square()
-    for gj in g[1:]:
-        mean_sq = mean_sq + gj.square()
-    v = beta2 * v + (1.0 - beta2) * (mean_sq / c)
+    g = [_flush(grad[:, j].float(), FLOAT32_TINY) for j in range(c)]
+    g_sq = [_flush(gj, (FLOAT32_TINY * c / (1.0 - beta2)) ** 0.5).square() for gj in g]
+    mean_sq = g_sq[0]
+    for gj in g_sq[1:]:
+        mean_sq = mean_sq + gj
+    v = beta2 * _flush(v, FLOAT32_TINY / beta2) + (1.0 - beta2) * (mean_sq / c)
     denom = torch.sqrt(v / (1.0 - beta2**step)) + eps
     if m is not None:
-        m_new = [beta1 * m[:, j].float() + (1.0 - beta1) * g[j] for j in range(c)]
+        m_new = [
+            beta1 * _flush(m[:, j].float(), FLOAT32_TINY / beta1)
+            + (1.0 - beta1) * _flush(g[j], FLOAT32_TINY / (1.0 - beta1))
+            for j in range(c)
+        ]
         direction = [mj / (1.0 - beta1**step) for mj in m_new]
     else:
         direction = g
     decay = 1.0 - lr * weight_decay
-    new = [p[:, j].float() * decay - lr * direction[j] / denom for j in range(c)]
+    tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
+    new = [p[:, j].float() * decay - lr * _flush(direction[j] / denom, tiny_step) for j in range(c)]
     # Candidate-major [C, G] stacking: contiguous stores vectorise; returned as [G, C] views.
     new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seeds[0]).view(c, -1).t()
     new_m = None
@@ -122,16 +135,20 @@ def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed
     ``v`` is float32, bfloat16 or 8-bit codes (uint8). Every state is rounded stochastically to its
     own format. Returns the new ``(p, v, m)``.
     """
-    g = grad.float()
+    g = _flush(grad.float(), FLOAT32_TINY)  # a clipped gradient can be denormal
     v_old = _decode_v8(v) if v.dtype == torch.uint8 else v.float()
-    v_new = beta2 * v_old + (1.0 - beta2) * g.square()
+    g_sq = _flush(g, (FLOAT32_TINY / (1.0 - beta2)) ** 0.5).square()
+    v_new = beta2 * _flush(v_old, FLOAT32_TINY / beta2) + (1.0 - beta2) * g_sq
     denom = torch.sqrt(v_new / (1.0 - beta2**step)) + eps
     if m is not None:
-        m_new = beta1 * m.float() + (1.0 - beta1) * g
+        m_new = beta1 * _flush(m.float(), FLOAT32_TINY / beta1) + (1.0 - beta1) * _flush(
+            g, FLOAT32_TINY / (1.0 - beta1)
+        )
         direction = m_new / (1.0 - beta1**step)
     else:
         direction = g
-    new = p.float() * (1.0 - lr * weight_decay) - lr * direction / denom
+    tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
+    new = p.float() * (1.0 - lr * weight_decay) - lr * _flush(direction / denom, tiny_step)
     new_p = _stochastic_round(new.view(-1), p.dtype, seeds[0]).view(p.shape)
     if v.dtype == torch.uint8:
         new_v = _encode_v8(v_new.view(-1), seeds[1]).view(p.shape)
@@ -271,6 +288,7 @@ class MaskAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise ConfigError("MaskAdamW does not support sparse gradients.")
                 rows, grad, row_offset = _local_rows(p)
+                rows = rows.detach()  # a plain tensor: compiled code then marks its length dynamic
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
