@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,22 @@ def main() -> None:
             lines.append(
                 f"| {label} | {size / 1e6:.1f} MB | {size / dense_size:.1%} | {seconds} | {stats['rss_mb']:.0f} MiB |"
             )
-    table = "\n".join(lines)
+    import platform
+    from datetime import date
+
+    import transformers
+
+    header = [
+        "# Checkpoint sizes and load times: SmolLM2-135M-Instruct, bf16, 2:4 (magnitude mask)",
+        "",
+        "Command: `HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py"
+        + (f" --out {args.out}`" if args.out else "`"),
+        f"Date: {date.today()}; machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}. Load: a fresh process each time, best of 3; memory: its RSS "
+        "after loading (no forward run yet, so no decompressed-weight cache).",
+        "",
+    ]
+    table = "\n".join(header + lines)
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
