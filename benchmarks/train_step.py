@@ -101,7 +101,7 @@ def log(message: str) -> None:
 
 def child(mode: str, batch: int, seqlen: int, args) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
-    from hf_maskllm.optim import training_state_bytes
+    from hf_maskllm.memory import training_state_bytes
 
     torch.set_num_threads(args.threads)
     device = args.device
@@ -175,7 +175,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         ]
         sizes = training_state_bytes(mask_model, optimizer)
         masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
-        result["state_bytes_per_weight"] = sum(sizes.values()) / masked
+        result["state_bytes_per_weight"] = sizes["total"] / masked  # optimizer + logits + grads (no callback here)
         if mode == "masked" and args.run_steps > 0 and tokenizer is not None:
             with torch.no_grad():  # the run starts from the prior again
                 for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
