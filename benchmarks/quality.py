@@ -175,7 +175,12 @@ def main() -> None:
         print(method, json.dumps(rows[method]["ppl"]), f"{seconds:.0f}s", flush=True)
 
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
+    import sys
+
     lines = [
+        "Command: `HF_HUB_OFFLINE=1 python benchmarks/quality.py " + " ".join(sys.argv[1:]) + "`",
+        f"Date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+        "",
         f"SmolLM2-135M, 2:4, held-out perplexity ({args.eval_windows} x {args.eval_seqlen} tokens per corpus); "
         f"MaskLLM: {args.steps} steps, {tokens:,} training tokens, lr {args.lr}, tau from {args.tau_start}",
         "",
