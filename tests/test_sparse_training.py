@@ -10,6 +10,7 @@ import torch
 from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 from test_sparse_checkpoint import merged_model
+from test_training import TokenDataset  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_maskllm import MaskConfig, check_nm, get_mask_model
@@ -18,17 +19,6 @@ from hf_maskllm.modules import dense_weight_view
 from hf_maskllm.sparse import SparseLinear, reconstruct, save_compressed, to_sparse_layers
 
 SEQ = 16
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def tokens(num: int, seed: int) -> torch.Tensor:
