@@ -10,7 +10,7 @@ import torch
 from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 from test_sparse_checkpoint import merged_model
-from test_training import TokenDataset  # noqa: E402
+from test_training import TokenDataset
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_maskllm import MaskConfig, check_nm, get_mask_model
