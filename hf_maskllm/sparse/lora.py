@@ -34,23 +34,46 @@ __all__ = ["SparseLoraLinear", "install", "register_lora"]
 class SparseLoraLinear(LoraLinear):
     """LoRA around a :class:`SparseLinear` whose update keeps the N:M pattern (see the module docstring)."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any) -> None:
-        sparse = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
-        variants = [
-            key
-            for key in ("use_dora", "arrow_config", "use_bdlora", "alora_invocation_tokens", "velora_config")
-            if getattr(config, key, None)
-        ]
-        if variants or kwargs.get("use_dora"):
-            raise ConfigError(
-                f"LoRA variant {variants or ['use_dora']} cannot be restricted to the N:M pattern of {type(sparse).__name__}; "
-                "use plain LoRA on a compressed model, or make it dense first (model.dequantize())."
-            )
+    # LoRA variants PEFT implements by replacing the forward; none of them keeps the N:M pattern
+    _VARIANTS = (
+        "use_dora",
+        "use_alora",
+        "arrow_config",
+        "use_bdlora",
+        "alora_invocation_tokens",
+        "velora_config",
+        "monteclora_config",
+        "mica",
+        "kasa_config",
+    )
+
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: LoraConfig | None = None, **kwargs: Any
+    ) -> None:
+        # PEFT >= 0.19 passes the LoraConfig as ``config``; PEFT 0.18 passes its fields as keywords
+        if config is not None:
+            kwargs["config"] = config
         with warnings.catch_warnings():  # PEFT warns about any layer type it does not know
             warnings.filterwarnings("ignore", message="Unsupported layer type")
-            super().__init__(base_layer, adapter_name, config=config, **kwargs)
+            super().__init__(base_layer, adapter_name, **kwargs)
         self.fan_in_fan_out = False  # SparseLinear stores [out, in] even when it replaced a GPT-2 Conv1D
         self.is_target_conv_1d_layer = False
+
+    def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """PEFT's ``update_layer``, refusing the LoRA variants that cannot keep the N:M pattern."""
+        config = kwargs.get("config", args[2] if len(args) > 2 else None)
+        variants = [
+            key
+            for key in self._VARIANTS
+            if getattr(config, key, None) or (key in kwargs and kwargs[key])
+        ]
+        if variants:
+            sparse = self.get_base_layer()
+            raise ConfigError(
+                f"LoRA variant {variants} cannot be restricted to the N:M pattern of {type(sparse).__name__}; "
+                "use plain LoRA on a compressed model, or make it dense first (model.dequantize())."
+            )
+        super().update_layer(adapter_name, *args, **kwargs)
 
     def kept_delta(self, adapter: str) -> torch.Tensor:
         """``[out, kept]``: ``s * B @ A`` at the kept positions (differentiable with respect to A and B)."""
