@@ -63,9 +63,7 @@ class SparseLoraLinear(LoraLinear):
         """PEFT's ``update_layer``, refusing the LoRA variants that cannot keep the N:M pattern."""
         config = kwargs.get("config", args[2] if len(args) > 2 else None)
         variants = [
-            key
-            for key in self._VARIANTS
-            if getattr(config, key, None) or (key in kwargs and kwargs[key])
+            key for key in self._VARIANTS if getattr(config, key, None) or (key in kwargs and kwargs[key])
         ]
         if variants:
             sparse = self.get_base_layer()
