@@ -1,23 +1,29 @@
 """Recovering quality after 2:4 pruning on SmolLM2-135M, keeping the mask: reconstruction, LoRA, direct training.
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/recovery.py [--mask wanda|PATH] [--steps 40]
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py [--learn-steps 40] [--steps 150]
 
-Start: a 2:4 mask on every decoder linear of SmolLM2-135M-Instruct: a saved MaskModel mask folder
-(``--mask PATH``, e.g. ``outputs/smollm2-2of4/mask`` from ``python -m hf_maskllm learn``) or a
-one-shot mask computed here (``--mask wanda``/``magnitude``). Rows (held-out perplexity, the
+One run, one mask. The mask is learned here by the main job's recipe (a SparseGPT prior calibrated on
+``wikipedia:train``, then ``learn_mask`` for ``--learn-steps`` steps), so every path's wall time counts
+the mask learning; ``--mask PATH`` starts from a saved MaskModel mask folder instead and
+``--mask wanda``/``magnitude``/``sparsegpt`` from a one-shot mask. Rows (held-out perplexity, the
 protocol of ``benchmarks/quality.py``):
 
-- ``dense``; ``sparsegpt+update``: the SparseGPT baseline (its own mask and weight update);
-- ``mask only``: the dense weights times the mask;
+- ``dense``; ``SparseGPT mask only``: the one-shot prior (in ``benchmarks/results/quality_*.md`` the
+  best mask-only one-shot method), the reference of the "gap closed" column;
+- ``SparseGPT + update``: the SparseGPT baseline with its own weight update;
+- ``learned mask only``: the dense weights times the learned mask;
 - ``+ reconstruction``: ``hf_maskllm.sparse.reconstruct`` (SparseGPT's update for this fixed mask);
-- ``+ LoRA``: PEFT LoRA (r, alpha below, all decoder linears) on the loaded compressed mask-only
-  model, trained with ``Trainer``, then PEFT's ``merge_and_unload``;
-- ``+ direct sparse training``: the kept weights of the loaded compressed model trained with
-  ``Trainer`` (everything else frozen), the same token budget as LoRA;
+- ``+ LoRA``: PEFT LoRA (rank ``--lora-r``, all decoder linears) on the loaded compressed model,
+  trained with ``Trainer`` for ``--steps`` steps, then PEFT's ``merge_and_unload``;
+- ``+ direct sparse training``: the kept weights (``SparseLinear.values``) of the loaded compressed
+  model trained with ``Trainer``, everything else frozen, the same token budget as LoRA;
 - ``+ reconstruction + direct training``: both, in that order.
 
-Every trained model is checked to be exactly 2:4 before it is scored. Writes
-``benchmarks/results/recovery.md`` and ``.json``.
+Every row below ``dense`` is checked to be exactly 2:4 before it is scored. Training state: what the row's
+training holds across steps (``hf_maskllm.memory.training_state_bytes``: gradients, optimizer state,
+callback state, and trainable tensors that are not model weights: logits, LoRA factors) per masked
+weight. Path time: wall seconds from the dense model to that row (prior, mask learning,
+reconstruction, training), evaluation excluded. Writes ``benchmarks/results/recovery.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -38,8 +44,12 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mask", default="wanda", help="wanda, magnitude, or a saved MaskModel folder")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--mask", default="learn", help="learn (default), wanda, magnitude, sparsegpt, or a saved mask folder"
+    )
+    p.add_argument("--learn-steps", type=int, default=40, help="mask-learning steps (the main job's 40)")
+    p.add_argument("--learn-lr", type=float, default=5e-4)
+    p.add_argument("--steps", type=int, default=150, help="training steps of the LoRA and direct rows")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--lora-r", type=int, default=16)
@@ -60,17 +70,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import hf_maskllm
-    from hf_maskllm import MaskModel, check_nm
+    from hf_maskllm import MaskConfig, MaskModel, check_nm, get_mask_model
     from hf_maskllm.data import calibration_tokens, causal_lm_dataset
     from hf_maskllm.embedded import load_smollm2
+    from hf_maskllm.learn import learn_mask
+    from hf_maskllm.memory import training_state_bytes
     from hf_maskllm.perplexity import evaluate_perplexity
     from hf_maskllm.priors import compute_prior_masks, sparsegpt_prune
     from hf_maskllm.sparse import SparseLinear, reconstruct, save_compressed
 
     started = time.perf_counter()
+    cpu_started = time.process_time()
     tmp = Path(tempfile.mkdtemp(prefix="recovery_"))
     dense, tokenizer = load_smollm2()
     names = [n for n, mod in dense.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
+    masked_weights = sum(dense.get_submodule(n).weight.numel() for n in names)
     calib = calibration_tokens(
         "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=args.calib_seqlen, seed=0
     )
@@ -90,7 +104,12 @@ def main() -> None:
             for corpus in ("wikipedia", "news")
         }  # fmt: skip
 
-    def fit(model, lr: float, name: str) -> float:
+    def state_per_weight(model, trainer, weights_train: bool = False) -> float:
+        sizes = training_state_bytes(model, trainer.optimizer, trainer.callback_handler.callbacks)
+        held = sizes["total"] - (sizes["params"] if weights_train else 0)  # trained weights are the model
+        return round(held / masked_weights, 2)
+
+    def fit(model, lr: float, name: str) -> tuple[Trainer, float]:
         start = time.perf_counter()
         training_args = TrainingArguments(
             output_dir=str(tmp / name), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
@@ -99,54 +118,85 @@ def main() -> None:
             use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0, seed=0,
         )  # fmt: skip
         model.train()
-        Trainer(model=model, args=training_args, train_dataset=train).train()
-        return time.perf_counter() - start
+        trainer = Trainer(model=model, args=training_args, train_dataset=train)
+        trainer.train()
+        return trainer, time.perf_counter() - start
 
     def assert_nm(model, what: str) -> None:
         report = check_nm(model, 2, 4)
         if not report.ok or len(report.layers) != len(names):
             raise SystemExit(f"{what}: not exactly 2:4 on {len(names)} layers: {report}")
 
-    # ---- the mask
-    if args.mask in ("wanda", "magnitude"):
-        masks = compute_prior_masks(
-            dense, args.mask, 2, 4, names, calibration=calib, batch_size=8, progress=False
-        )
-        mask_name = f"{args.mask} (one-shot)"
-    else:
-        mm = MaskModel.from_pretrained(fresh(), args.mask)
-        masks = mm.hard_masks()
-        mask_name = f"saved mask {args.mask}"
-        del mm
     rows: dict[str, dict] = {}
 
-    def record(name: str, model, seconds: float, **extra) -> None:
-        rows[name] = {"ppl": ppl(model), "seconds": round(seconds, 1), **extra}
+    def record(name: str, model, seconds: float, path_seconds: float, **extra) -> None:
+        rows[name] = {"ppl": ppl(model), "seconds": round(seconds, 1), "path_seconds": round(path_seconds, 1)}
+        rows[name].update(extra)
         print(name, json.dumps(rows[name]), flush=True)
 
-    record("dense", dense, 0.0)
+    record("dense", dense, 0.0, 0.0)
+
+    # ---- the one-shot prior, and the mask
+    start = time.perf_counter()
+    prior_config = MaskConfig(n=2, m=4, prior="sparsegpt", calibration_samples=args.calib_samples,
+                              calibration_seqlen=args.calib_seqlen, seed=0)  # fmt: skip
+    mm = get_mask_model(fresh(), prior_config, calibration_data=calib)
+    prior_seconds = time.perf_counter() - start
+    mm.eval()
+    record("SparseGPT mask only (one-shot prior)", mm, prior_seconds, prior_seconds)
+    reference = rows["SparseGPT mask only (one-shot prior)"]["ppl"]
+    if args.mask == "learn":
+        start = time.perf_counter()
+        trainer = learn_mask(
+            mm, train, max_steps=args.learn_steps, learning_rate=args.learn_lr, batch_size=args.batch_size,
+            output_dir=str(tmp / "learn"), seed=0, logging_steps=max(1, args.learn_steps // 10),
+            disable_tqdm=True,
+        )  # fmt: skip
+        mask_seconds = prior_seconds + time.perf_counter() - start
+        masks = mm.hard_masks()
+        learn_tokens = args.learn_steps * args.batch_size * args.seqlen
+        mask_name = f"learned: SparseGPT prior + {args.learn_steps} MaskLLM steps ({learn_tokens:,} tokens)"
+        mask_state = state_per_weight(mm, trainer)
+    elif args.mask in ("wanda", "magnitude", "sparsegpt"):
+        start = time.perf_counter()
+        masks = (
+            mm.hard_masks()
+            if args.mask == "sparsegpt"
+            else compute_prior_masks(
+                dense, args.mask, 2, 4, names, calibration=calib, batch_size=8, progress=False
+            )
+        )
+        mask_seconds = prior_seconds if args.mask == "sparsegpt" else time.perf_counter() - start
+        mask_name, mask_state = f"{args.mask} (one-shot)", 0.0
+    else:
+        mask_name, mask_state, mask_seconds = f"saved mask {args.mask}", 0.0, 0.0
+        masks = MaskModel.from_pretrained(fresh(), args.mask).hard_masks()
+    del mm
 
     start = time.perf_counter()
     model = fresh()
     sparsegpt_prune(model, 2, 4, names, calib, batch_size=8, progress=False)
-    record("sparsegpt+update (reference, own mask)", model, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    assert_nm(model, "SparseGPT + update")
+    record("SparseGPT + update (its own mask)", model, seconds, seconds)
 
     with torch.no_grad():
         model = fresh()
         for name, mask in masks.items():
             model.get_submodule(name).weight.mul_(mask)
     assert_nm(model, "mask only")
-    record("mask only", model, 0.0)
+    mask_row = "learned mask only" if args.mask == "learn" else "mask only"
+    record(mask_row, model, mask_seconds, mask_seconds, state_bytes_per_weight=mask_state)
     save_compressed(model, tmp / "mask_only")
 
     start = time.perf_counter()
     model = fresh()
     reconstruct(model, calib, masks=masks, batch_size=8, progress=False)
-    seconds = time.perf_counter() - start
+    recon_seconds = time.perf_counter() - start
     assert_nm(model, "+ reconstruction")
     if any(bool(((model.get_submodule(n).weight != 0) & ~masks[n]).any()) for n in names):
         raise SystemExit("reconstruction changed the mask")
-    record("+ reconstruction", model, seconds)
+    record("+ reconstruction", model, recon_seconds, mask_seconds + recon_seconds)
     save_compressed(model, tmp / "reconstructed")
 
     # ---- LoRA on the loaded compressed model (PEFT's own get_peft_model / merge_and_unload)
@@ -154,17 +204,19 @@ def main() -> None:
     config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
     peft_model = get_peft_model(loaded, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    seconds = fit(peft_model, args.lora_lr, "lora")
+    trainer, seconds = fit(peft_model, args.lora_lr, "lora")
+    state = state_per_weight(peft_model, trainer)
     merged = peft_model.merge_and_unload()
     assert_nm(merged, "+ LoRA")
     record(
-        f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})", merged, seconds, trainable=trainable, tokens=tokens
-    )
+        f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})", merged, seconds, mask_seconds + seconds,
+        trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
+    )  # fmt: skip
 
     # ---- direct sparse training of the kept weights
-    for start_from, label in (
-        ("mask_only", "+ direct sparse training"),
-        ("reconstructed", "+ reconstruction + direct training"),
+    for start_from, label, before in (
+        ("mask_only", "+ direct sparse training", mask_seconds),
+        ("reconstructed", "+ reconstruction + direct training", mask_seconds + recon_seconds),
     ):
         loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
         for param in loaded.parameters():
@@ -173,24 +225,40 @@ def main() -> None:
             if isinstance(module, SparseLinear):
                 module.values.requires_grad_(True)
         trainable = sum(p.numel() for p in loaded.parameters() if p.requires_grad)
-        seconds = fit(loaded, args.direct_lr, label.replace(" ", "_"))
+        trainer, seconds = fit(loaded, args.direct_lr, label.replace(" ", "_"))
+        state = state_per_weight(loaded, trainer, weights_train=True)
         assert_nm(loaded, label)
-        record(f"{label} (lr {args.direct_lr})", loaded, seconds, trainable=trainable, tokens=tokens)
+        record(
+            f"{label} (lr {args.direct_lr})", loaded, seconds, before + seconds,
+            trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
+        )  # fmt: skip
 
+    gap = {
+        corpus: {
+            name: round(100 * (reference[corpus] - row["ppl"][corpus]) / (reference[corpus] - rows["dense"]["ppl"][corpus]), 1)
+            for name, row in rows.items()
+        }
+        for corpus in ("wikipedia", "news")
+    }  # fmt: skip
     meta = {
-        "command": "HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
+        "command": "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py "
+        + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), shared 2-core CPU machine",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), 2-core CPU machine",
         "versions": {
             "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "hf_maskllm": hf_maskllm.__version__,
         },
         "mask": mask_name,
+        "masked_weights": masked_weights,
         "args": vars(args),
         "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(time.process_time() - cpu_started, 1),
+        "gap_closed_percent": gap,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    best = max((name for name in rows if name != "dense"), key=lambda name: gap["wikipedia"][name])
     lines = [
         "# Recovery after 2:4 pruning, keeping the mask (SmolLM2-135M-Instruct, fp32, CPU)",
         "",
@@ -198,20 +266,31 @@ def main() -> None:
         f"Date: {meta['date']}; {meta['machine']}; "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
-        f"Mask: {mask_name}, every decoder linear ({len(names)} layers). Held-out perplexity, "
-        f"{args.eval_windows} x {args.eval_seqlen} tokens per corpus. Training rows: {args.steps} steps x "
-        f"{args.batch_size} x {args.seqlen} = {tokens:,} Wikipedia training tokens each, cosine schedule, "
-        f"AdamW, no tuning. Calibration: {args.calib_samples} x {args.calib_seqlen} tokens. "
-        "Every row below `dense` is exactly 2:4 (checked).",
+        f"Mask: {mask_name}, every decoder linear ({len(names)} layers, {masked_weights:,} weights). "
+        f"Held-out perplexity, {args.eval_windows} x {args.eval_seqlen} tokens per corpus. Training rows: "
+        f"{args.steps} steps x {args.batch_size} x {args.seqlen} = {tokens:,} Wikipedia training tokens each, "
+        "AdamW, cosine schedule, no tuning. Reconstruction and SparseGPT calibration: "
+        f"{args.calib_samples} x {args.calib_seqlen} tokens. Every row below `dense` is exactly 2:4 (checked). "
+        "Gap closed: of the gap between the SparseGPT mask only and dense. Path time: wall seconds from the "
+        "dense model to the row (prior and mask learning included, evaluation excluded); step: the row's own step.",
         "",
-        "| row | wikipedia | news | trainable params | wall time |",
-        "|---|---:|---:|---:|---:|",
+        "| row | wikipedia | news | gap closed (wiki / news) | trainable params | state B / masked weight | step | path time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
+        closed = "" if name == "dense" else f"{gap['wikipedia'][name]:.1f}% / {gap['news'][name]:.1f}%"
+        state = row.get("state_bytes_per_weight")
         lines.append(
-            f"| {name} | {row['ppl']['wikipedia']:.2f} | {row['ppl']['news']:.2f} | "
-            f"{row.get('trainable', 0):,} | {row['seconds']:.0f} s |"
+            f"| {name} | {row['ppl']['wikipedia']:.2f} | {row['ppl']['news']:.2f} | {closed} | "
+            f"{row.get('trainable', 0):,} | {'' if state is None else f'{state:.2f}'} | "
+            f"{row['seconds']:.0f} s | {row['path_seconds'] / 60:.1f} min |"
         )
+    lines += [
+        "",
+        f"Best path on Wikipedia: {best}: {gap['wikipedia'][best]:.1f}% of the gap closed, "
+        f"{rows[best]['path_seconds'] / 60:.1f} min from the dense model. Whole run: "
+        f"{meta['seconds'] / 60:.1f} min wall, {meta['cpu_seconds'] / 60:.1f} CPU-min (evaluations included).",
+    ]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
