@@ -1,6 +1,8 @@
 """Run by tests/test_distributed.py under torchrun: a plain Trainer learning masks with DDP (gloo, CPU).
 
-Each rank saves its hard masks and logits to <out>/rank<k>.safetensors.
+Each rank saves its hard masks and logits to <out>/rank<k>.safetensors. With a second argument
+``named``, the model holds two masks (``default`` and ``task``) and trains ``task``; the file then also
+holds the inactive ``default`` mask's logits and hard masks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from models import tiny_llama  # noqa: E402
 
 
-def main(out: str) -> None:
+def main(out: str, named: bool = False) -> None:
     model = tiny_llama(seed=0)
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
+    if named:
+        mask_model.add_mask("task", MaskConfig(prior="magnitude", prior_strength=2.0))
+        mask_model.set_mask("task")
     ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     args = TrainingArguments(
@@ -44,6 +49,14 @@ def main(out: str) -> None:
         {f"{k}.logits": layer.mask_logits.detach() for k, layer in mask_model.masked_layers().items()}
     )
     tensors["world_size"] = torch.tensor(torch.distributed.get_world_size())
+    if named:
+        tensors["active"] = torch.tensor(list(mask_model.active_mask.encode()), dtype=torch.uint8)
+        tensors.update(
+            {f"default.{k}.mask": v.to(torch.uint8) for k, v in mask_model.hard_masks("default").items()}
+        )
+        tensors.update(
+            {f"default.{k}.logits": v.detach() for k, v in mask_model._masks["default"].logits.items()}
+        )
     # the same global seed on every rank (as the Trainer sets it), yet each rank's Gumbel noise is its own
     from hf_maskllm.adapters.sampling import sample_soft_mask
     from hf_maskllm.patterns import candidate_patterns
@@ -55,4 +68,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], named=sys.argv[2:] == ["named"])

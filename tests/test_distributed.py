@@ -17,24 +17,30 @@ from safetensors.torch import load_file
 HERE = Path(__file__).parent
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_agree(tmp_path):
+def _ddp(out: Path, *args: str) -> list[dict[str, torch.Tensor]]:
+    """``tests/ddp_train.py`` in 2 CPU processes (torchrun, gloo); each rank's saved tensors."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     # --standalone: torchrun picks a free local port for its own rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     result = subprocess.run(
-        [*cmd, str(HERE / "ddp_train.py"), str(tmp_path)],
+        [*cmd, str(HERE / "ddp_train.py"), str(out), *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
+    ranks = [load_file(out / f"rank{r}.safetensors") for r in (0, 1)]
     assert int(ranks[0]["world_size"]) == 2
     assert ranks[0].keys() == ranks[1].keys()
     for key in ranks[0]:
         assert torch.equal(ranks[0][key], ranks[1][key]), key
+    return ranks
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_agree(tmp_path):
+    ranks = _ddp(tmp_path)
     probes = [load_file(tmp_path / f"probe{r}.safetensors")["noise_probe"] for r in (0, 1)]
     assert not torch.equal(probes[0], probes[1])  # each rank samples its own masks
     # and training moved the logits away from their (shared) initialisation
@@ -48,6 +54,25 @@ def test_ddp_two_processes_agree(tmp_path):
         for name, layer in init.masked_layers().items()
     ]
     assert all(moved)
+
+
+@pytest.mark.slow
+def test_ddp_trains_the_active_named_mask_only(tmp_path):
+    ranks = _ddp(tmp_path, "named")  # the replicas agree on both masks
+    assert bytes(ranks[0]["active"].tolist()) == b"task"
+    from models import tiny_llama
+
+    from hf_maskllm import MaskConfig, get_mask_model
+
+    init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
+    init.add_mask("task", MaskConfig(prior="magnitude", prior_strength=2.0))
+    task_init = init._masks["task"].logits
+    for name, layer in init.masked_layers().items():
+        # the inactive default mask is bit-identical to its initialisation
+        assert torch.equal(layer.mask_logits.detach(), ranks[0][f"default.{name}.logits"]), name
+        assert torch.equal(init.hard_masks()[name].to(torch.uint8), ranks[0][f"default.{name}.mask"]), name
+        # the active task mask trained
+        assert not torch.equal(task_init[name].detach(), ranks[0][f"{name}.logits"]), name
 
 
 # ---------------------------------------------------------------------------------------------- FSDP
