@@ -153,10 +153,10 @@ def main() -> None:
             disable_tqdm=True,
         )  # fmt: skip
         mask_seconds = prior_seconds + time.perf_counter() - start
+        mask_state = state_per_weight(mm, trainer)  # before hard_masks(): eval mode caches the hard masks
         masks = mm.hard_masks()
         learn_tokens = args.learn_steps * args.batch_size * args.seqlen
         mask_name = f"learned: SparseGPT prior + {args.learn_steps} MaskLLM steps ({learn_tokens:,} tokens)"
-        mask_state = state_per_weight(mm, trainer)
     elif args.mask in ("wanda", "magnitude", "sparsegpt"):
         start = time.perf_counter()
         masks = (
