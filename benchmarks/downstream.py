@@ -143,6 +143,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, help="where the masks are saved (default: a temporary folder)")
     p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--name", default="downstream", help="file name of the results (<name>.md, <name>.json)")
     p.add_argument(
         "--switching-only",
         action="store_true",
@@ -172,7 +173,7 @@ def main() -> None:
 
     def checkpoint() -> None:  # partial results, replaced by the full report at the end
         partial = {"partial": True, "args": vars(args), "started": started, "rows": rows}
-        (out / "downstream.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
+        (out / f"{args.name}.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
 
     rows: dict[str, dict] = {"dense": {"seconds": 0.0}}
     rows["dense"].update({d: _ppl(model, w) for d, w in heldout.items()} | {"wikipedia": wiki_ppl(model)})
@@ -253,8 +254,8 @@ def main() -> None:
         "mask_states": state,
         "switching": switching,
     }
-    (out / "downstream.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (out / "downstream.md").write_text(_markdown(results) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / f"{args.name}.md").write_text(_markdown(results) + "\n")
     print(_markdown(results))
 
 
