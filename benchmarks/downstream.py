@@ -143,7 +143,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, help="where the masks are saved (default: a temporary folder)")
     p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--name", default="downstream", help="file name of the results (<name>.md, <name>.json)")
+    p.add_argument(
+        "--name",
+        default="downstream",
+        help="file name of the results (<name>.md, <name>.json); --switching-only writes downstream_switching.*",
+    )
     p.add_argument(
         "--switching-only",
         action="store_true",

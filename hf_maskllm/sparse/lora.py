@@ -43,7 +43,6 @@ class SparseLoraLinear(LoraLinear):
         "alora_invocation_tokens",
         "velora_config",
         "monteclora_config",
-        "mica",
         "kasa_config",
     )
 
