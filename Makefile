@@ -30,7 +30,7 @@ test: install
 	$(VENV)/bin/ruff check hf_maskllm tests benchmarks examples
 	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The fast tests and the notebook on the oldest versions setup.cfg allows, in a venv of their own
+# The fast tests (not the slow ones, nor the notebook) on the oldest versions setup.cfg allows, in a venv of their own
 # (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too).
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
