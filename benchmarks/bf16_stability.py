@@ -80,7 +80,9 @@ def main() -> None:
     )
     seconds = time.perf_counter() - start
     logs = [r for r in trainer.state.log_history if "loss" in r and "tau" in r]
-    bad_loss = [r["step"] for r in logs if not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0.0))]
+    bad_loss = [
+        r["step"] for r in logs if not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0.0))
+    ]
     bands = [(4.0, 3.0), (3.0, 2.0), (2.0, 1.0), (1.0, 0.0)]
     lines = [
         f"SmolLM2-135M-Instruct, 2:4, magnitude prior, bf16 autocast + bf16 logits + MaskAdamW, default schedules "

@@ -33,21 +33,36 @@ BETAS = (0.9, 0.95)
 GROUP = {"second_moment": "group"}
 SETTINGS = {
     "fp32-adamw": ("float32 logits, torch AdamW (the reference)", "float32", torch.optim.AdamW, {}),
-    "fp32-maskadamw-group": ("float32 logits, MaskAdamW, per-group second moment", "float32", MaskAdamW, GROUP),
+    "fp32-maskadamw-group": (
+        "float32 logits, MaskAdamW, per-group second moment",
+        "float32",
+        MaskAdamW,
+        GROUP,
+    ),
     "fp32-adamw-nomomentum": (
         "float32 logits, torch AdamW without momentum (beta1 = 0)",
         "float32",
         torch.optim.AdamW,
         {"betas": (0.0, BETAS[1])},
     ),
-    "bf16-maskadamw": ("bfloat16 logits, MaskAdamW (per-logit 8-bit second moment)", "bfloat16", MaskAdamW, {}),
+    "bf16-maskadamw": (
+        "bfloat16 logits, MaskAdamW (per-logit 8-bit second moment)",
+        "bfloat16",
+        MaskAdamW,
+        {},
+    ),
     "bf16-maskadamw-v16": (
         "bfloat16 logits, MaskAdamW, per-logit bf16 second moment",
         "bfloat16",
         MaskAdamW,
         {"second_moment_bits": 16},
     ),
-    "bf16-maskadamw-group": ("bfloat16 logits, MaskAdamW, per-group second moment", "bfloat16", MaskAdamW, GROUP),
+    "bf16-maskadamw-group": (
+        "bfloat16 logits, MaskAdamW, per-group second moment",
+        "bfloat16",
+        MaskAdamW,
+        GROUP,
+    ),
     "bf16-maskadamw-group-m": (
         "bfloat16 logits, MaskAdamW, per-group second moment + bf16 momentum",
         "bfloat16",
@@ -87,7 +102,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="data order and Gumbel noise of every setting")
     p.add_argument("--calib-samples", type=int, default=32)
     p.add_argument("--eval-windows", type=int, default=16)
-    p.add_argument("--prior-dir", help="a saved SparseGPT prior mask folder to reuse (else computed and saved)")
+    p.add_argument(
+        "--prior-dir", help="a saved SparseGPT prior mask folder to reuse (else computed and saved)"
+    )
     p.add_argument("--out", default="benchmarks/results/memory_settings.md")
     args = p.parse_args()
 
@@ -95,9 +112,13 @@ def main() -> None:
     if args.prior_dir and Path(args.prior_dir, "mask_config.json").exists():
         prior_dir = Path(args.prior_dir)
     else:
-        calib = calibration_tokens("wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0)
+        calib = calibration_tokens(
+            "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0
+        )
         prior_dir = Path(args.prior_dir or tempfile.mkdtemp(prefix="prior-"))
-        get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib).save_pretrained(prior_dir)
+        get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib).save_pretrained(
+            prior_dir
+        )
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
 
     rows = []

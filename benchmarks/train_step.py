@@ -175,7 +175,9 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         ]
         sizes = training_state_bytes(mask_model, optimizer)
         masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
-        result["state_bytes_per_weight"] = sizes["total"] / masked  # optimizer + logits + grads (no callback here)
+        result["state_bytes_per_weight"] = (
+            sizes["total"] / masked
+        )  # optimizer + logits + grads (no callback here)
         if mode == "masked" and args.run_steps > 0 and tokenizer is not None:
             with torch.no_grad():  # the run starts from the prior again
                 for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
