@@ -34,18 +34,6 @@ __all__ = ["SparseLoraLinear", "install", "register_lora"]
 class SparseLoraLinear(LoraLinear):
     """LoRA around a :class:`SparseLinear` whose update keeps the N:M pattern (see the module docstring)."""
 
-    # LoRA variants PEFT implements by replacing the forward; none of them keeps the N:M pattern
-    _VARIANTS = (
-        "use_dora",
-        "use_alora",
-        "arrow_config",
-        "use_bdlora",
-        "alora_invocation_tokens",
-        "velora_config",
-        "monteclora_config",
-        "kasa_config",
-    )
-
     def __init__(
         self, base_layer: nn.Module, adapter_name: str, config: LoraConfig | None = None, **kwargs: Any
     ) -> None:
@@ -58,19 +46,21 @@ class SparseLoraLinear(LoraLinear):
         self.fan_in_fan_out = False  # SparseLinear stores [out, in] even when it replaced a GPT-2 Conv1D
         self.is_target_conv_1d_layer = False
 
-    def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """PEFT's ``update_layer``, refusing the LoRA variants that cannot keep the N:M pattern."""
-        config = kwargs.get("config", args[2] if len(args) > 2 else None)
-        variants = [
-            key for key in self._VARIANTS if getattr(config, key, None) or (key in kwargs and kwargs[key])
-        ]
-        if variants:
+    def resolve_lora_variant(self, **kwargs: Any) -> Any:
+        """Refuse every LoRA variant PEFT would build (DoRA, aLoRA, Arrow, ...): none keeps the N:M pattern.
+
+        PEFT resolves the variant in ``update_layer`` before creating the adapter's weights, for the first
+        adapter and for any added later, whatever the PEFT version's argument style.
+        """
+        variant = super().resolve_lora_variant(**kwargs)
+        if variant is not None:
             sparse = self.get_base_layer()
             raise ConfigError(
-                f"LoRA variant {variants} cannot be restricted to the N:M pattern of {type(sparse).__name__}; "
-                "use plain LoRA on a compressed model, or make it dense first (model.dequantize())."
+                f"LoRA variant {type(variant).__name__} cannot be restricted to the N:M pattern of "
+                f"{type(sparse).__name__}; use plain LoRA on a compressed model, or make it dense first "
+                "(model.dequantize())."
             )
-        super().update_layer(adapter_name, *args, **kwargs)
+        return None
 
     def kept_delta(self, adapter: str) -> torch.Tensor:
         """``[out, kept]``: ``s * B @ A`` at the kept positions (differentiable with respect to A and B)."""
