@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--curve-windows", type=int, default=4)
     p.add_argument("--methods", default="dense,magnitude,wanda,sparsegpt,sparsegpt+update,maskllm")
     p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--save-mask", help="save the learned mask to this folder (a prior for downstream.py)")
     args = p.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,6 +173,8 @@ def main() -> None:
         if method == "maskllm":
             rows[method]["learning_seconds"] = learn_seconds
             rows[method]["learning_cpu_seconds"] = learn_cpu
+            if args.save_mask:
+                model.save_pretrained(args.save_mask)
         print(method, json.dumps(rows[method]["ppl"]), f"{seconds:.0f}s", flush=True)
 
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen

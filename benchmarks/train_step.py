@@ -2,8 +2,10 @@
 
 The dense baseline is what mask learning must at least pay: forward + backward to the inputs with
 every weight frozen. The masked step (the defaults: bf16 logits, fused sampling, MaskAdamW) adds
-sampling the 2:4 masks, the weight gradient of every masked linear (one more matmul per linear:
-about 1.4x by itself on SmolLM2), the logits' gradient and the optimizer step.
+sampling the 2:4 masks, the weight gradient of every masked linear (one more matmul per linear,
+in bfloat16 where the CPU multiplies it natively), the logits' gradient and the optimizer step.
+``masked-recompute`` regenerates each sample in the backward pass instead of keeping its
+probabilities (less memory: compare the peak RSS lines).
 
 Its cost must not depend on where the run is in its schedule: at a low temperature most
 probabilities underflow, and unflushed denormal floats made CPU steps 5-12x slower. So the masked
@@ -40,6 +42,7 @@ import torch
 MODES = {
     "dense": "dense, frozen (backward to the inputs)",
     "masked": "masked 2:4, fused + compiled sampling, MaskAdamW step",
+    "masked-recompute": "masked 2:4, as above, sample recomputed in the backward (GPU default)",
     "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
 }
 TAUS = "4,1,0.3,0.05"
@@ -141,8 +144,10 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
         mask_model.sparse_reg_weight = config.sparse_reg
-        mask_model.set_compiled_sampling(mode == "masked")
-        optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=mode == "masked")
+        compiled = mode != "masked-eager"
+        mask_model.set_compiled_sampling(compiled)
+        mask_model.set_recompute_sampling(True if mode == "masked-recompute" else None)
+        optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=compiled)
 
         def masked_step() -> None:
             with autocast:
@@ -233,7 +238,7 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
     parser.add_argument(
-        "--modes", default="dense,masked", help="dense, masked, masked-eager (comma separated)"
+        "--modes", default="dense,masked", help="dense, masked, masked-recompute, masked-eager (comma separated)"
     )
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")

@@ -164,6 +164,20 @@ _STREAMS = (0, 0x27D4EB2F, 0x5BD1E995)  # the logits', second moment's and momen
 _UPDATES = {"group": _update_group, "logit": _update_logit}
 
 
+def _in_place(update: Callable) -> Callable:
+    """``update`` writing its results into ``p``, ``v`` and ``m``: compiled, one kernel stores them
+    directly (no new tensors, no copies after it)."""
+
+    def step(p, grad, v, m, *args) -> None:
+        new_p, new_v, new_m = update(p, grad, v, m, *args)
+        p.copy_(new_p)
+        v.copy_(new_v)
+        if m is not None:
+            m.copy_(new_m)
+
+    return step
+
+
 _COMPILED: dict[str, Any] = {}
 
 
@@ -237,7 +251,7 @@ class MaskAdamW(torch.optim.Optimizer):
         self.seed = int(seed)
 
     def _fn(self) -> Callable:
-        update = _UPDATES[self.second_moment]
+        update = _in_place(_UPDATES[self.second_moment])
         if not self.compile:
             return update
         if self.second_moment not in _COMPILED:
@@ -302,14 +316,10 @@ class MaskAdamW(torch.optim.Optimizer):
                 if self.compile:  # one kernel for every group count
                     for t in (rows, grad, v) + ((m,) if m is not None else ()):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
-                new_p, new_v, new_m = fn(
+                fn(
                     rows, grad, v, m, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                     float(step), self._rounding_seeds(step, index, row_offset * rows.shape[1], rows.device),
                 )  # fmt: skip
-                rows.copy_(new_p)
-                v.copy_(new_v)
-                if m is not None:
-                    m.copy_(new_m)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -76,7 +76,7 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
     logits = spread_logits(weight, 2, 4)
-    w_eff, probs = fused_linear._run(
+    w_eff, _, probs = fused_linear._run(
         "sample_weight", compiled, weight.reshape(-1, 4), logits, sampling.seed_tensor(SEED), TAU, KAPPA,
         2, 4, False, dtype, "probs",
     )  # fmt: skip
@@ -87,7 +87,7 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
         assert_flushed_match(w_eff.view(weight.shape), ref_w, "W * mask")
     else:  # rounded to bfloat16 (8 bits): no denormal, and the float32 result rounded
         assert not is_denormal(w_eff).any()
-        w32, _ = fused_linear._run(
+        w32, _, _ = fused_linear._run(
             "sample_weight", compiled, weight.reshape(-1, 4), logits, sampling.seed_tensor(SEED), TAU, KAPPA,
             2, 4, False, torch.float32, "",
         )  # fmt: skip

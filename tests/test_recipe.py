@@ -130,9 +130,11 @@ def test_state_held_across_steps_is_counted_and_within_8_bytes(tmp_path):
     layers = mm.masked_layers().values()
     groups = sum(layer.mask_logits.shape[0] for layer in layers)
     masked = sum(layer.out_features * layer.in_features for layer in layers)
-    assert sizes["callbacks"] == groups  # one byte per group: the previous hard choice for the flip rate
+    # one byte per group (the previous hard choice, for the flip rate) and the [C, C] uint8 Hamming table
+    assert sizes["callbacks"] == groups + 6 * 6
     assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
-    assert sizes["total"] / masked == pytest.approx(7.75, abs=1e-3)  # 3 + 3 + 1.5 + 0.25
+    # 3 + 3 + 1.5 + 0.25, plus a few fixed bytes (step counters, the table) on this tiny model
+    assert sizes["total"] / masked == pytest.approx(7.75, abs=2e-3)
     assert sizes["total"] / masked <= 8
     callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MaskAnnealCallback))
     assert all(t.dtype == torch.uint8 for t in callback._previous.values())

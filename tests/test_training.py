@@ -142,9 +142,10 @@ def test_callback_anneals_tau_kappa_and_regulariser_per_optimizer_step(
     assert mm.training_summary["final_tau"] == pytest.approx(expected[-1][0])
 
 
-def test_callback_flip_rate_and_max_prob_match_a_manual_computation(tmp_path):
+@pytest.mark.parametrize("compiled", [False, None])  # None: compiled where a compiler is available
+def test_callback_flip_rate_and_max_prob_match_a_manual_computation(tmp_path, compiled):
     mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["q_proj", "v_proj"]))
-    callback = MaskAnnealCallback()
+    callback = MaskAnnealCallback(compile_sampling=compiled)
     before: dict[str, torch.Tensor] = {}
     after: dict[str, torch.Tensor] = {}
 

@@ -5,11 +5,19 @@
 
 Plain autograd would keep, per masked layer and until its backward pass, the noise and the
 probabilities (``[G, C]`` float32, 12 bytes per masked weight for 2:4) and the effective weight
-``W * mask`` (the size of the layer). :class:`MaskedLinearFunction` keeps only what any linear
-keeps (its input ``x``) plus references to the logits, ``W`` and ``b`` and an 8-byte seed. The
-backward pass regenerates noise, probabilities and ``W * mask`` in one pass (the probabilities live
-only until the logits' gradient is computed, one layer at a time), then runs the two matmuls and a
-second pass for the logits' gradient. With ``compiled=True`` (set per model by
+``W * mask`` (the size of the layer). :class:`MaskedLinearFunction` keeps what any linear keeps
+(its input ``x``), references to the logits, ``W`` and ``b``, an 8-byte seed and, unless told to
+recompute, the sample's probabilities (``[C, G]`` float32: 6 bytes per masked weight for 2:4). The
+backward pass rebuilds ``W * mask`` from them in one cheap pass, or, recomputing, regenerates noise,
+probabilities and ``W * mask`` from the seed (the probabilities then live only until the logits'
+gradient is computed, one layer at a time); then it runs the two matmuls and a second pass for the
+logits' gradient. Keeping is the default on CPU, where drawing the noise (a hash and two logarithms
+per candidate) is a large part of the step; recomputing the default on GPUs, where memory is the
+scarcer resource (``MaskModel.set_recompute_sampling``). The weight-gradient matmul ``grad_y^T x``
+runs in bfloat16 (float32 accumulation) when the logits are bfloat16 and the hardware multiplies
+bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX): the logits' gradient is rounded to bfloat16
+in any case, and on such a CPU that matmul is about 4x faster than in float32 (:func:`weight_grad`).
+With ``compiled=True`` (set per model by
 ``MaskModel.set_compiled_sampling``, which ``MaskAnnealCallback`` calls) each pass is one
 ``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups. Both passes
 flush values below the float32 normal range to zero as they compute them (``denormals.py``), so no
@@ -18,6 +26,7 @@ matmul or elementwise op ever sees a denormal, however low the temperature.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -27,10 +36,39 @@ from torch.autograd.function import once_differentiable
 from .denormals import flushed_product
 from .sampling import sample_probs, soft_mask_from_probs
 
-__all__ = ["MaskedLinearFunction", "masked_linear"]
+__all__ = ["MaskedLinearFunction", "masked_linear", "native_bf16_matmul", "weight_grad"]
 
 _COMPILED: dict[str, Any] = {}  # the compiled passes, shared by every model (compiled once per process)
 _SQUARE_UNDERFLOW = 2.0**-63  # |w| below this: w * w is below the float32 normal range (2**-126)
+
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively (faster than float32)."""
+    return _native_bf16_matmul(device.type)
+
+
+@functools.cache
+def _native_bf16_matmul(device_type: str) -> bool:
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return False
+
+
+def weight_grad(grad_y: torch.Tensor, x: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    """``dL/d(W * mask) = grad_y^T x`` ``[out, in]``, the product the logits' gradient is made from.
+
+    In bfloat16 (float32 accumulation, as bfloat16 autocast computes a weight gradient) when the
+    logits are bfloat16, the matmul would otherwise run in float32 and the device multiplies
+    bfloat16 natively: the logits' gradient is rounded to bfloat16 anyway, and this product's
+    rounding error is of the same order (about 0.3% of its norm; ``tests/test_sampling.py`` bounds
+    the logits' gradient against float64). Otherwise in the matmuls' dtype.
+    """
+    if logits_dtype == torch.bfloat16 and grad_y.dtype == torch.float32 and native_bf16_matmul(grad_y.device):
+        return grad_y.t().to(torch.bfloat16) @ x.to(torch.bfloat16)
+    return grad_y.t() @ x
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:
@@ -44,26 +82,35 @@ def _total(terms: list[torch.Tensor]) -> torch.Tensor:
 def _sample_weight(
     weight, logits, seed, tau, kappa, n: int, m: int, hard: bool, dtype: torch.dtype, extra: str
 ):
-    """``W * mask`` in ``dtype`` as ``[G, m]`` groups, plus ``extra``.
+    """``(W * mask, reg, probs)``: ``W * mask`` in ``dtype`` as ``[G, m]`` groups, and what ``extra`` asks for.
 
-    ``extra``: ``"reg"`` -> ``||W * mask||^2`` (float32 scalar); ``"probs"`` -> the probabilities
-    ``[C, G]`` (candidate-major: contiguous stores vectorise), for the backward pass to reuse;
-    ``""`` -> None. Nothing below the float32 normal range is formed or returned (``denormals.py``):
-    such probabilities, products and squares are zeros.
+    ``extra`` names any of ``"reg"`` (``||W * mask||^2``, a float32 scalar) and ``"probs"`` (the
+    probabilities ``[C, G]``, candidate-major: contiguous stores vectorise), e.g. ``"reg+probs"``;
+    what it does not name is None. Nothing below the float32 normal range is formed or returned
+    (``denormals.py``): such probabilities, products and squares are zeros.
     """
     probs = sample_probs(logits, seed, tau, kappa)
-    mask = soft_mask_from_probs(probs, n, m, hard)
-    w_eff = [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
-    out = None
-    if extra == "reg":
-        out = _total([torch.where(w.abs() < _SQUARE_UNDERFLOW, 0.0, w).square().sum() for w in w_eff])
-    elif extra == "probs":
-        out = torch.stack(probs, dim=0)
-    return torch.stack(w_eff, dim=-1).to(dtype), out
+    w_eff = _masked_columns(weight, probs, n, m, hard)
+    reg = None
+    if "reg" in extra:
+        reg = _total([torch.where(w.abs() < _SQUARE_UNDERFLOW, 0.0, w).square().sum() for w in w_eff])
+    kept = torch.stack(probs, dim=0) if "probs" in extra else None
+    return torch.stack(w_eff, dim=-1).to(dtype), reg, kept
 
 
-def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad):
-    """``dL/dlogits`` ``[G, C]`` from ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities ``[C, G]``
+def _masked_columns(weight, probs, n: int, m: int, hard: bool) -> list[torch.Tensor]:
+    """The m float32 columns of ``W * mask`` from the sample's probabilities, flushed."""
+    mask = soft_mask_from_probs(list(probs), n, m, hard)
+    return [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
+
+
+def _weight_from_probs(weight, probs, n: int, m: int, hard: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``W * mask`` ``[G, m]`` in ``dtype`` from kept probabilities ``[C, G]``: what the forward pass used."""
+    return torch.stack(_masked_columns(weight, probs, n, m, hard), dim=-1).to(dtype)
+
+
+def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad, dtype: torch.dtype):
+    """``dL/dlogits`` ``[G, C]`` (contiguous, in ``dtype``: the logits' layout and dtype) from ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities ``[C, G]``
     and the regulariser's scalar gradient (or None).
 
     Every product with a probability or a mask value is a :func:`flushed_product`: nothing below the
@@ -83,26 +130,39 @@ def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, 
     grad_probs = [_total([grad_mask[j] for j in combo]) for combo in itertools.combinations(range(m), n)]
     dot = _total([flushed_product(g, p) for p, g in zip(probs, grad_probs)])
     scale = kappa / tau  # d scores / d logits
-    # Stacked candidate-major (contiguous stores vectorise), returned as a [G, C] view.
-    return torch.stack([flushed_product((g - dot) * scale, p) for p, g in zip(probs, grad_probs)], dim=0).t()
+    # Computed candidate-major (contiguous stores vectorise), written out in the logits' [G, C] layout
+    # and dtype: autograd then keeps it as the gradient without another copy.
+    grad = torch.stack([flushed_product((g - dot) * scale, p) for p, g in zip(probs, grad_probs)], dim=0)
+    return grad.t().to(dtype).contiguous()
 
 
-_GROUP_ARGS = {"sample_weight": 2, "logits_grad": 2}  # leading arguments whose dim 0 is G
+_PASSES = {
+    "sample_weight": _sample_weight,
+    "weight_from_probs": _weight_from_probs,
+    "logits_grad": _logits_grad,
+}
+# Per pass: (arguments whose dim 0 is G, arguments whose dim 1 is G), so G is never specialised on.
+_GROUP_DIMS = {
+    "sample_weight": ((0, 1), ()),
+    "weight_from_probs": ((0,), (1,)),
+    "logits_grad": ((0, 1), (2,)),
+}
 
 
 def _run(name: str, compiled: bool, *args):
     """Call the eager or the compiled version; compiled code is specialised on n and m, not on G."""
-    fn = {"sample_weight": _sample_weight, "logits_grad": _logits_grad}[name]
+    fn = _PASSES[name]
     if not compiled:
         return fn(*args)
     if name not in _COMPILED:
         # Strided [G, C] loads trip inductor's "too many non-contiguous accesses" heuristic, which would
         # fall back to a scalar loop several times slower: always vectorise over groups.
         _COMPILED[name] = torch.compile(fn, options={"cpp.enable_tiling_heuristics": False})
-    for t in args[: _GROUP_ARGS[name]]:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    if name == "logits_grad":
-        torch._dynamo.maybe_mark_dynamic(args[2], 1)  # probs [C, G]
+    rows, columns = _GROUP_DIMS[name]
+    for i in rows:
+        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+    for i in columns:
+        torch._dynamo.maybe_mark_dynamic(args[i], 1)
     return _COMPILED[name](*args)
 
 
@@ -113,41 +173,51 @@ class MaskedLinearFunction(torch.autograd.Function):
     None; ``logits`` ``[out * in / m, C(m, n)]``; ``seed`` from :func:`sampling.draw_seed`. The matmuls
     run in ``x``'s dtype (the caller applies autocast); the per-group math in float32. ``reg`` is a
     float32 scalar, or None unless ``with_reg``. ``compiled``: run the per-group passes compiled.
+    ``recompute``: keep nothing per group for the backward pass (regenerate the sample there).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, logits, seed, n, m, tau, kappa, hard, with_reg, compiled):
+    def forward(ctx, x, weight, bias, logits, seed, n, m, tau, kappa, hard, with_reg, compiled, recompute):
+        keep = not recompute and ctx.needs_input_grad[3]  # frozen logits need no probabilities
+        extra = "+".join(["reg"] * with_reg + ["probs"] * keep)
         # Detached [G, .] views: compiled code must not specialise on parameters or requires_grad.
-        w_eff, reg = _run(
+        w_eff, reg, probs = _run(
             "sample_weight", compiled, weight.detach().reshape(-1, m), logits.detach(), seed, tau, kappa,
-            n, m, hard, x.dtype, "reg" if with_reg else "",
+            n, m, hard, x.dtype, extra,
         )  # fmt: skip
         y = torch.nn.functional.linear(x, w_eff.view(weight.shape), bias)
-        ctx.save_for_backward(x, weight, logits, seed)
+        if keep:
+            ctx.save_for_backward(x, weight, logits, seed, probs)
+        else:
+            ctx.save_for_backward(x, weight, logits, seed)
         ctx.args = (tau, kappa, n, m, hard, compiled)
         return y, reg
 
     @staticmethod
     @once_differentiable  # the backward is not itself differentiable: refuse double backward
     def backward(ctx, grad_y, grad_reg):
-        x, weight, logits, seed = ctx.saved_tensors
+        x, weight, logits, seed, *kept = ctx.saved_tensors
         tau, kappa, n, m, hard, compiled = ctx.args
         w_groups = weight.detach().reshape(-1, m)
-        # One sampling pass gives both W * mask (for grad_x) and the probabilities (for the logits).
-        w_eff, probs = _run(
-            "sample_weight", compiled, w_groups, logits.detach(), seed, tau, kappa, n, m, hard, grad_y.dtype,
-            "probs",
-        )  # fmt: skip
+        if kept:  # the forward pass's probabilities: rebuild W * mask from them
+            probs = kept[0]
+            w_eff = _run("weight_from_probs", compiled, w_groups, probs, n, m, hard, grad_y.dtype)
+        else:  # one sampling pass gives both W * mask (for grad_x) and the probabilities (for the logits)
+            w_eff, _, probs = _run(
+                "sample_weight", compiled, w_groups, logits.detach(), seed, tau, kappa, n, m, hard,
+                grad_y.dtype, "probs",
+            )  # fmt: skip
         grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
         del w_eff
         if not ctx.needs_input_grad[3]:  # frozen logits
-            return grad_x, *[None] * 11
-        grad_w = grad_y.t() @ x  # dL/d(W * mask)
+            return grad_x, *[None] * 12
+        grad_w = weight_grad(grad_y, x, logits.dtype)  # dL/d(W * mask)
         reg_grad = grad_reg.float() if grad_reg is not None else None
         grad_logits = _run(
-            "logits_grad", compiled, grad_w.view(-1, m), w_groups, probs, n, m, tau, kappa, hard, reg_grad
-        )
-        return grad_x, None, None, grad_logits.to(logits.dtype), *[None] * 8
+            "logits_grad", compiled, grad_w.view(-1, m), w_groups, probs, n, m, tau, kappa, hard, reg_grad,
+            logits.dtype,
+        )  # fmt: skip
+        return grad_x, None, None, grad_logits, *[None] * 9
 
 
 def masked_linear(
@@ -163,12 +233,15 @@ def masked_linear(
     hard: bool = False,
     with_reg: bool = False,
     compiled: bool = False,
+    recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Training-mode masked linear on ``x`` of any leading dims; returns ``(y, reg or None)``.
 
     Under autocast the matmuls run in the autocast dtype (as ``F.linear`` would); the sampling and
     the regulariser always in float32. ``compiled``: run the per-group passes through
-    ``torch.compile`` (the first call compiles).
+    ``torch.compile`` (the first call compiles). ``recompute``: regenerate the sample in the backward
+    pass instead of keeping its probabilities (6 bytes per masked weight for 2:4, until the backward
+    pass); None: recompute on GPUs, keep on CPU.
     """
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -178,6 +251,6 @@ def masked_linear(
     with torch.autocast(device, enabled=False):
         y, reg = MaskedLinearFunction.apply(
             x2d, weight, b, logits, seed, int(n), int(m), float(tau), float(kappa), bool(hard), bool(with_reg),
-            bool(compiled),
+            bool(compiled), bool(x.device.type != "cpu" if recompute is None else recompute),
         )  # fmt: skip
     return y.reshape(*lead, y.shape[-1]), reg

@@ -47,6 +47,7 @@ class MaskedLinear(nn.Module):
         self.masking_enabled = True
         self.track_sparse_reg = False
         self.compiled_sampling = False  # run the fused sampling passes through torch.compile
+        self.recompute_sampling: bool | None = None  # None: keep the sample's probabilities on CPU only
         self.last_sparse_reg: torch.Tensor | None = None
         self._cache_key: tuple | None = None
         self._cached_mask: torch.Tensor | None = None
@@ -100,10 +101,11 @@ class MaskedLinear(nn.Module):
             if self.track_sparse_reg:
                 self.last_sparse_reg = masked.float().square().sum()
             return F.linear(x, masked, bias)
-        # The fused path: nothing per group kept for the backward pass (fused_linear.py).
+        # The fused path: at most the sample's probabilities kept for the backward pass (fused_linear.py).
         y, reg = masked_linear(
             x, weight, bias, self.mask_logits, self.n, self.m, draw_seed(weight.device),
             self.tau, self.kappa, self.hard, self.track_sparse_reg, self.compiled_sampling,
+            self.recompute_sampling,
         )  # fmt: skip
         if self.track_sparse_reg:
             # ||W * mask||^2 with W frozen: the gradient reaches only the logits.
