@@ -238,7 +238,9 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
     parser.add_argument(
-        "--modes", default="dense,masked", help="dense, masked, masked-recompute, masked-eager (comma separated)"
+        "--modes",
+        default="dense,masked",
+        help="dense, masked, masked-recompute, masked-eager (comma separated)",
     )
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")

@@ -7,21 +7,24 @@ Plain autograd would keep, per masked layer and until its backward pass, the noi
 probabilities (``[G, C]`` float32, 12 bytes per masked weight for 2:4) and the effective weight
 ``W * mask`` (the size of the layer). :class:`MaskedLinearFunction` keeps what any linear keeps
 (its input ``x``), references to the logits, ``W`` and ``b``, an 8-byte seed and, unless told to
-recompute, the sample's probabilities (``[C, G]`` float32: 6 bytes per masked weight for 2:4). The
-backward pass rebuilds ``W * mask`` from them in one cheap pass, or, recomputing, regenerates noise,
-probabilities and ``W * mask`` from the seed (the probabilities then live only until the logits'
-gradient is computed, one layer at a time); then it runs the two matmuls and a second pass for the
-logits' gradient. Keeping is the default on CPU, where drawing the noise (a hash and two logarithms
-per candidate) is a large part of the step; recomputing the default on GPUs, where memory is the
-scarcer resource (``MaskModel.set_recompute_sampling``). The weight-gradient matmul ``grad_y^T x``
+recompute, the sample's probabilities (``[C, G]`` float32: 6 bytes per masked weight for 2:4).
+
+Backward: the weight-gradient matmul ``grad_y^T x``, then one pass over the groups that forms both
+``W * mask`` (for the input's gradient, the second matmul) and the logits' gradient, from the kept
+probabilities or, recomputing, from noise and probabilities regenerated from the seed. Keeping is
+the default on CPU, where drawing the noise (a hash and two logarithms per candidate) is a large
+part of the step; recomputing is the default on GPUs, where memory is scarcer
+(``MaskModel.set_recompute_sampling``). Both give identical gradients. The weight-gradient matmul
 runs in bfloat16 (float32 accumulation) when the logits are bfloat16 and the hardware multiplies
 bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX): the logits' gradient is rounded to bfloat16
-in any case, and on such a CPU that matmul is about 4x faster than in float32 (:func:`weight_grad`).
-With ``compiled=True`` (set per model by
-``MaskModel.set_compiled_sampling``, which ``MaskAnnealCallback`` calls) each pass is one
-``torch.compile`` kernel (C++ loops on CPU, Triton on CUDA) vectorised over groups. Both passes
-flush values below the float32 normal range to zero as they compute them (``denormals.py``), so no
-matmul or elementwise op ever sees a denormal, however low the temperature.
+in any case, and on such a CPU that matmul is several times faster than in float32
+(:func:`weight_grad`).
+
+With ``compiled=True`` (set per model by ``MaskModel.set_compiled_sampling``, which
+``MaskAnnealCallback`` calls) each pass is one ``torch.compile`` kernel (C++ loops on CPU, Triton on
+CUDA) vectorised over groups. Both passes flush values below the float32 normal range to zero as
+they compute them (``denormals.py``), so no matmul or elementwise op ever sees a denormal, however
+low the temperature.
 """
 
 from __future__ import annotations
@@ -104,14 +107,10 @@ def _masked_columns(weight, probs, n: int, m: int, hard: bool) -> list[torch.Ten
     return [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
 
 
-def _weight_from_probs(weight, probs, n: int, m: int, hard: bool, dtype: torch.dtype) -> torch.Tensor:
-    """``W * mask`` ``[G, m]`` in ``dtype`` from kept probabilities ``[C, G]``: what the forward pass used."""
-    return torch.stack(_masked_columns(weight, probs, n, m, hard), dim=-1).to(dtype)
-
-
 def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad, dtype: torch.dtype):
-    """``dL/dlogits`` ``[G, C]`` (contiguous, in ``dtype``: the logits' layout and dtype) from ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities ``[C, G]``
-    and the regulariser's scalar gradient (or None).
+    """``dL/dlogits`` ``[G, C]`` (contiguous, in ``dtype``: the logits' layout and dtype) from
+    ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities (C columns ``[G]``) and the regulariser's
+    scalar gradient (or None).
 
     Every product with a probability or a mask value is a :func:`flushed_product`: nothing below the
     float32 normal range is formed or returned. A probability that underflowed to 0 in the sampling
@@ -136,17 +135,25 @@ def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, 
     return grad.t().to(dtype).contiguous()
 
 
-_PASSES = {
-    "sample_weight": _sample_weight,
-    "weight_from_probs": _weight_from_probs,
-    "logits_grad": _logits_grad,
-}
+def _backward_pass(
+    grad_w, weight, probs, logits, seed, tau, kappa, n: int, m: int, hard: bool, reg_grad,
+    w_dtype: torch.dtype, grad_dtype: torch.dtype,
+):  # fmt: skip
+    """``(W * mask, dL/dlogits)`` in one pass over the groups: ``W * mask`` ``[G, m]`` in ``w_dtype``
+    (for the input's gradient) and the logits' gradient ``[G, C]`` in ``grad_dtype``.
+
+    ``probs``: the forward pass's probabilities ``[C, G]``, or None to regenerate them from ``logits``
+    and ``seed`` (the same noise, hence the same values). Either way ``W`` and the probabilities are
+    read once, and no probability is written.
+    """
+    probs = sample_probs(logits, seed, tau, kappa) if probs is None else list(probs)
+    w_eff = torch.stack(_masked_columns(weight, probs, n, m, hard), dim=-1).to(w_dtype)
+    return w_eff, _logits_grad(grad_w, weight, probs, n, m, tau, kappa, hard, reg_grad, grad_dtype)
+
+
+_PASSES = {"sample_weight": _sample_weight, "backward": _backward_pass}
 # Per pass: (arguments whose dim 0 is G, arguments whose dim 1 is G), so G is never specialised on.
-_GROUP_DIMS = {
-    "sample_weight": ((0, 1), ()),
-    "weight_from_probs": ((0,), (1,)),
-    "logits_grad": ((0, 1), (2,)),
-}
+_GROUP_DIMS = {"sample_weight": ((0, 1), ()), "backward": ((0, 1, 3), (2,))}
 
 
 def _run(name: str, compiled: bool, *args):
@@ -160,9 +167,11 @@ def _run(name: str, compiled: bool, *args):
         _COMPILED[name] = torch.compile(fn, options={"cpp.enable_tiling_heuristics": False})
     rows, columns = _GROUP_DIMS[name]
     for i in rows:
-        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        if args[i] is not None:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
     for i in columns:
-        torch._dynamo.maybe_mark_dynamic(args[i], 1)
+        if args[i] is not None:
+            torch._dynamo.maybe_mark_dynamic(args[i], 1)
     return _COMPILED[name](*args)
 
 
@@ -199,24 +208,22 @@ class MaskedLinearFunction(torch.autograd.Function):
         x, weight, logits, seed, *kept = ctx.saved_tensors
         tau, kappa, n, m, hard, compiled = ctx.args
         w_groups = weight.detach().reshape(-1, m)
-        if kept:  # the forward pass's probabilities: rebuild W * mask from them
-            probs = kept[0]
-            w_eff = _run("weight_from_probs", compiled, w_groups, probs, n, m, hard, grad_y.dtype)
-        else:  # one sampling pass gives both W * mask (for grad_x) and the probabilities (for the logits)
-            w_eff, _, probs = _run(
+        if not ctx.needs_input_grad[3]:  # frozen logits: only the input's gradient, from W * mask
+            w_eff, _, _ = _run(
                 "sample_weight", compiled, w_groups, logits.detach(), seed, tau, kappa, n, m, hard,
-                grad_y.dtype, "probs",
+                grad_y.dtype, "",
             )  # fmt: skip
-        grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
-        del w_eff
-        if not ctx.needs_input_grad[3]:  # frozen logits
+            grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
             return grad_x, *[None] * 12
         grad_w = weight_grad(grad_y, x, logits.dtype)  # dL/d(W * mask)
         reg_grad = grad_reg.float() if grad_reg is not None else None
-        grad_logits = _run(
-            "logits_grad", compiled, grad_w.view(-1, m), w_groups, probs, n, m, tau, kappa, hard, reg_grad,
-            logits.dtype,
+        # One pass: W * mask (for grad_x) and the logits' gradient, from the kept or regenerated sample.
+        w_eff, grad_logits = _run(
+            "backward", compiled, grad_w.view(-1, m), w_groups, kept[0] if kept else None, logits.detach(),
+            seed, tau, kappa, n, m, hard, reg_grad, grad_y.dtype, logits.dtype,
         )  # fmt: skip
+        del grad_w
+        grad_x = grad_y @ w_eff.view(weight.shape) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, grad_logits, *[None] * 9
 
 
