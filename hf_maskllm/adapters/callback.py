@@ -21,6 +21,7 @@ from ..errors import MaskLLMError
 from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
 from ..training_args import recipe_departures
+from .denormals import LN_FLOAT32_TINY
 from .model import MaskModel
 from .sampling import hard_indices, max_probability
 from .schedules import schedule_value
@@ -75,36 +76,49 @@ def _hamming(n: int, m: int, device: torch.device) -> torch.Tensor:
 
 
 def _indices_and_flips(
-    logits: torch.Tensor, previous: torch.Tensor, hamming: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every group's hard choice (uint8 ``[G]``, first maximum on ties, as ``argmax``) and how many
-    weights differ from ``previous`` (0-d), in one pass.
+    logits: torch.Tensor, previous: torch.Tensor, hamming: torch.Tensor, kappa: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every group's hard choice (uint8 ``[G]``, first maximum on ties, as ``argmax``), how many
+    weights differ from ``previous`` (0-d), and with ``kappa`` the sum over groups of
+    ``max softmax(kappa * logits)`` (0-d float32; else None), in one pass.
 
-    Column by column so that compiled code vectorises over groups (an ``argmax`` over a last dimension
-    of 6 does not): compiled, it is several times faster than ``argmax`` plus a table lookup.
+    Column by column so that compiled code vectorises over groups (an ``argmax`` or a softmax over a
+    last dimension of 6 does not): compiled, several times faster than ``argmax`` plus a table
+    lookup, and than a softmax over every group.
     """
-    best = logits[:, 0].float()
+    columns = [logits[:, c].float() for c in range(logits.shape[1])]
+    best = columns[0]
     idx = torch.zeros_like(best, dtype=torch.int32)
-    for c in range(1, logits.shape[1]):
-        value = logits[:, c].float()
+    for c, value in enumerate(columns[1:], start=1):
         better = value > best
         best = torch.where(better, value, best)
         idx = torch.where(better, c, idx)
-    flips = hamming.view(-1)[previous.to(torch.int32) * logits.shape[1] + idx]
-    return idx.to(torch.uint8), flips.sum()
+    flips = hamming.view(-1)[previous.to(torch.int32) * logits.shape[1] + idx].sum()
+    prob_sum = None
+    if kappa is not None:  # the largest probability is 1 / sum_c exp(kappa * (l_c - l_max))
+        shifted = [kappa * (value - best) for value in columns]  # <= 0; exp of 0 for the maximum
+        terms = [  # exp never evaluated where it would be denormal (denormals.py)
+            torch.where(x < LN_FLOAT32_TINY, 0.0, torch.exp(torch.clamp(x, min=LN_FLOAT32_TINY)))
+            for x in shifted
+        ]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        prob_sum = (1.0 / total).sum()
+    return idx.to(torch.uint8), flips, prob_sum
 
 
 _COMPILED: dict[str, Any] = {}
 
 
-def _compiled_indices_and_flips(logits, previous, hamming):
+def _compiled_indices_and_flips(logits, previous, hamming, kappa=None):
     if "stats" not in _COMPILED:
         _COMPILED["stats"] = torch.compile(
             _indices_and_flips, options={"cpp.enable_tiling_heuristics": False}
         )
     torch._dynamo.maybe_mark_dynamic(logits, 0)
     torch._dynamo.maybe_mark_dynamic(previous, 0)
-    return _COMPILED["stats"](logits, previous, hamming)
+    return _COMPILED["stats"](logits, previous, hamming, kappa)
 
 
 class MaskAnnealCallback(TrainerCallback, ExportableState):
@@ -248,11 +262,13 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             if logits is not layer.mask_logits:
                 sharded = layer.mask_logits
             previous = self._previous.get(name)
+            kappa = self.kappa or cfg.kappa[0]
+            prob = None
             if previous is None or previous.shape[0] != logits.shape[0]:
                 current, flips = hard_indices(logits), None  # one byte per group (C <= 255)
             elif self._compiled_stats and logits.shape[1] <= 255:
-                current, flips = _compiled_indices_and_flips(
-                    logits.detach(), previous, self._hamming(cfg, logits)
+                current, flips, prob = _compiled_indices_and_flips(
+                    logits.detach(), previous, self._hamming(cfg, logits), float(kappa) if with_prob else None
                 )
             else:
                 current = hard_indices(logits)
@@ -262,7 +278,8 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
                 total += current.numel() * cfg.m
             self._previous[name] = current
             if with_prob:
-                prob = max_probability(logits, self.kappa or cfg.kappa[0]) * current.numel()
+                if prob is None:
+                    prob = max_probability(logits, kappa) * current.numel()
                 prob_sum = prob if prob_sum is None else prob_sum + prob
             groups += current.numel()
         if sharded is not None:  # one all-reduce for the four sums
