@@ -235,6 +235,23 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
                 "torch.compile: the first training step compiles the %s; this can take a minute.", what
             )
             self._first_step_start = time.perf_counter()
+        if compiled and self.log_mask_stats:
+            self._compile_statistics(mask_model)
+
+    @torch.no_grad()
+    def _compile_statistics(self, mask_model: MaskModel) -> None:
+        """Compile both variants of the statistics pass (with and without the largest probability) now,
+        with the rest of the first step's compilation, rather than on the first logged step."""
+        layers = mask_model.masked_layers()
+        name = next((n for n in layers if n in self._previous), None)
+        if name is None:
+            return
+        logits = local_shard(layers[name].mask_logits).detach()
+        if logits.shape[1] > 255 or self._previous[name].shape[0] != logits.shape[0]:
+            return
+        table = self._hamming(mask_model.mask_config, logits)
+        for kappa in (None, float(mask_model.mask_config.kappa[0])):
+            _compiled_indices_and_flips(logits, self._previous[name], table, kappa)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._apply(find_mask_model(model), state.global_step, state.max_steps)
