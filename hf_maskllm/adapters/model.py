@@ -209,7 +209,8 @@ class MaskModel(NamedMasksMixin, nn.Module):
         """Whether the backward pass regenerates each layer's mask sample instead of keeping its
         probabilities from the forward pass; returns the previous setting.
 
-        Keeping costs 4 * C(m, n) / m bytes per masked weight (6 for 2:4: 0.64 GB for SmolLM2-135M),
+        Keeping costs 4 * C(m, n) / m bytes per masked weight (6 for 2:4; docs/scale.md has the measured
+        peak memory of both settings),
         held from a layer's forward pass to its backward pass, and saves drawing the noise a second
         time. ``None`` (the default): keep on CPU, where that drawing is a large part of the step;
         recompute on GPUs, where memory is scarcer.
