@@ -211,20 +211,8 @@ def test_kept_and_recomputed_samples_give_identical_gradients(compiled):
     for recompute in (True, False):
         x, logits = x0.clone().requires_grad_(), base.clone().requires_grad_()
         y, reg = fused_linear.masked_linear(
-            x,
-            weight,
-            None,
-            logits,
-            2,
-            4,
-            sampling.seed_tensor(9),
-            0.7,
-            300.0,
-            False,
-            True,
-            compiled,
-            recompute,
-        )
+            x, weight, None, logits, 2, 4, sampling.seed_tensor(9), 0.7, 300.0, False, True, compiled, recompute
+        )  # fmt: skip
         ((y * upstream).sum() + 1e-3 * reg).backward()
         grads.append((y.detach(), x.grad, logits.grad))
     for kept, recomputed in zip(*grads):
@@ -292,7 +280,7 @@ def test_compiled_code_is_reused_across_shapes_and_schedules():
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_logits_gradient_within_bf16_rounding_of_float64(monkeypatch, native):
     """bf16 logits: the weight-gradient matmul may run in bf16 (where the hardware has it); the logits'
-    gradient stays within bf16 rounding of the float64 autograd reference, and both paths agree."""
+    gradient stays within bf16 rounding of the float64 autograd reference on either path."""
     monkeypatch.setattr(fused_linear, "native_bf16_matmul", lambda device: native)
     torch.manual_seed(1)
     weight, x0 = torch.randn(48, 64), torch.randn(3, 40, 64)
