@@ -147,6 +147,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         compiled = mode != "masked-eager"
         mask_model.set_compiled_sampling(compiled)
         mask_model.set_recompute_sampling(True if mode == "masked-recompute" else None)
+        mask_model.set_candidate_major_logits(True)  # as MaskAnnealCallback sets it for a Trainer run
         optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=compiled)
 
         def masked_step() -> None:

@@ -45,7 +45,7 @@ try:  # FSDP2 shards parameters as DTensors; builds without torch.distributed ha
 except ImportError:  # pragma: no cover
     DTensor = Shard = type("_Absent", (), {})
 from .adapters.denormals import FLOAT32_TINY
-from .adapters.sampling import hash_bits
+from .adapters.sampling import hash_index
 from .errors import ConfigError
 
 __all__ = ["MaskAdamW", "compiler_available", "local_shard"]
@@ -53,18 +53,34 @@ __all__ = ["MaskAdamW", "compiler_available", "local_shard"]
 _MANTISSA_DROP = {torch.bfloat16: 16, torch.float16: 13}  # float32 mantissa bits the 16-bit type lacks
 
 
-def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32, 1-D) rounded to ``dtype`` up or down with probability by distance (unbiased).
+def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to ``dtype`` up or down with probability by distance (unbiased), from
+    ``bits`` (int32 random bits shaped like ``x``; the low ones that ``dtype`` drops are used).
 
-    Random low bits are added to the float32 bit pattern, then truncated: exact for bfloat16, and for
-    float16 in its normal range (its subnormals, below 6e-5, round to nearest).
+    The random low bits are added to the float32 bit pattern, then truncated: exact for bfloat16, and for
+    float16 in its normal range (its subnormals, below 6e-5, round to nearest). Any strides.
     """
     if dtype == torch.float32:
         return x
     drop = _MANTISSA_DROP[dtype]
-    noise = hash_bits(seed, x.shape[0], 1, x.device).view(-1) & ((1 << drop) - 1)
-    bits = (x.view(torch.int32) + noise) & ~((1 << drop) - 1)
-    return bits.view(torch.float32).to(dtype)
+    out = (x.view(torch.int32) + (bits & ((1 << drop) - 1))) & ~((1 << drop) - 1)
+    return out.view(torch.float32).to(dtype)
+
+
+def _random_bits(seed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """32 random bits per element of ``x`` (1-D or 2-D), a hash of ``seed`` and the row-major index.
+
+    The index is built by broadcasting, in ``x``'s memory order (row- or column-major): compiled, the
+    hash then fuses into the update's loop over ``x``'s storage.
+    """
+    if x.dim() == 1:
+        return hash_index(seed, torch.arange(x.shape[0], device=x.device, dtype=torch.int32))
+    rows, cols = x.shape
+    row = torch.arange(rows, device=x.device, dtype=torch.int32) * cols
+    col = torch.arange(cols, device=x.device, dtype=torch.int32)
+    if x.stride(0) == 1 and x.stride(1) != 1:  # column-major storage: [cols, rows], transposed back
+        return hash_index(seed, row[None, :] + col[:, None]).t()
+    return hash_index(seed, row[:, None] + col[None, :])
 
 
 # The per-logit second moment in 8 bits: an unsigned float, 6 exponent bits and 2 mantissa bits (float8
@@ -75,12 +91,12 @@ V8_MIN_EXP = -58
 _V8_BIAS = 127 + V8_MIN_EXP  # float32's biased exponent of code exponent 0
 
 
-def _encode_v8(v: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """``v`` (float32 >= 0, 1-D) to 8-bit codes, rounded up or down with probability by distance."""
-    noise = hash_bits(seed, v.shape[0], 1, v.device).view(-1) & ((1 << 21) - 1)
-    bits = v.view(torch.int32) + noise
-    exponent = (bits >> 23) - _V8_BIAS
-    code = (exponent << 2) | ((bits >> 21) & 3)
+def _encode_v8(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``v`` (float32 >= 0) to 8-bit codes, rounded up or down with probability by distance (to within
+    2**-16 of a step) from 16 random bits per element (``bits``, int32 in ``[0, 2**16)``). Any strides."""
+    rounded = v.view(torch.int32) + (bits << 5)  # the 21 bits the code drops: 16 random ones on top
+    exponent = (rounded >> 23) - _V8_BIAS
+    code = (exponent << 2) | ((rounded >> 21) & 3)
     return torch.where(exponent < 0, 0, code).clamp(max=255).to(torch.uint8)
 
 
@@ -96,10 +112,10 @@ def _flush(x: torch.Tensor, below: float) -> torch.Tensor:
     return torch.where(x.abs() < below, 0.0, x)
 
 
-def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seeds):
+def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, corrections, seeds, transposed=False):
     """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
 
-    Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
+    ``corrections``: the bias corrections ``[1 - beta1**t, 1 - beta2**t]`` of step t. Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
     """
     c = p.shape[1]
     g = [_flush(grad[:, j].float(), FLOAT32_TINY) for j in range(c)]
@@ -108,59 +124,64 @@ def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seed
     for gj in g_sq[1:]:
         mean_sq = mean_sq + gj
     v = beta2 * _flush(v, FLOAT32_TINY / beta2) + (1.0 - beta2) * (mean_sq / c)
-    denom = torch.sqrt(v / (1.0 - beta2**step)) + eps
+    denom = torch.sqrt(v / corrections[1]) + eps
     if m is not None:
         m_new = [
             beta1 * _flush(m[:, j].float(), FLOAT32_TINY / beta1)
             + (1.0 - beta1) * _flush(g[j], FLOAT32_TINY / (1.0 - beta1))
             for j in range(c)
         ]
-        direction = [mj / (1.0 - beta1**step) for mj in m_new]
+        direction = [mj / corrections[0] for mj in m_new]
     else:
         direction = g
     decay = 1.0 - lr * weight_decay
     tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
     new = [p[:, j].float() * decay - lr * _flush(direction[j] / denom, tiny_step) for j in range(c)]
     # Candidate-major [C, G] stacking: contiguous stores vectorise; returned as [G, C] views.
-    new_p = _stochastic_round(torch.stack(new, dim=0).view(-1), p.dtype, seeds[0]).view(c, -1).t()
+    stacked = torch.stack(new, dim=0)
+    new_p = _stochastic_round(stacked, p.dtype, _random_bits(seeds[0], stacked)).t()
     new_m = None
     if m is not None:
-        new_m = _stochastic_round(torch.stack(m_new, dim=0).view(-1), m.dtype, seeds[2]).view(c, -1).t()
+        stacked_m = torch.stack(m_new, dim=0)
+        new_m = _stochastic_round(stacked_m, m.dtype, _random_bits(seeds[1], stacked_m)).t()
     return new_p, v, new_m
 
 
-def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, step, seeds):
+def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, corrections, seeds, transposed=False):
     """One step of a ``[G, C]`` parameter with a per-logit second moment ``v [G, C]`` (AdamW's rule).
 
     ``v`` is float32, bfloat16 or 8-bit codes (uint8). Every state is rounded stochastically to its
-    own format. Returns the new ``(p, v, m)``.
+    own format. ``corrections`` as in :func:`_update_group`. ``transposed``: the tensors are the ``[C, G]`` transposes (the random bits of each
+    logit are the same either way). Returns the new ``(p, v, m)``.
     """
     g = _flush(grad.float(), FLOAT32_TINY)  # a clipped gradient can be denormal
     v_old = _decode_v8(v) if v.dtype == torch.uint8 else v.float()
     g_sq = _flush(g, (FLOAT32_TINY / (1.0 - beta2)) ** 0.5).square()
     v_new = beta2 * _flush(v_old, FLOAT32_TINY / beta2) + (1.0 - beta2) * g_sq
-    denom = torch.sqrt(v_new / (1.0 - beta2**step)) + eps
+    denom = torch.sqrt(v_new / corrections[1]) + eps
     if m is not None:
         m_new = beta1 * _flush(m.float(), FLOAT32_TINY / beta1) + (1.0 - beta1) * _flush(
             g, FLOAT32_TINY / (1.0 - beta1)
         )
-        direction = m_new / (1.0 - beta1**step)
+        direction = m_new / corrections[0]
     else:
         direction = g
     tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
     new = p.float() * (1.0 - lr * weight_decay) - lr * _flush(direction / denom, tiny_step)
-    new_p = _stochastic_round(new.view(-1), p.dtype, seeds[0]).view(p.shape)
-    if v.dtype == torch.uint8:
-        new_v = _encode_v8(v_new.view(-1), seeds[1]).view(p.shape)
-    else:
-        new_v = _stochastic_round(v_new.view(-1), v.dtype, seeds[1]).view(p.shape)
+    # One hash per logit: its low 16 bits round the logit, its high 16 bits the second moment.
+    bits = _random_bits(seeds[0], p.t()).t() if transposed else _random_bits(seeds[0], p)
+    new_p = _stochastic_round(new, p.dtype, bits)
+    high = (bits >> 16) & 0xFFFF
+    new_v = _encode_v8(v_new, high) if v.dtype == torch.uint8 else _stochastic_round(v_new, v.dtype, high)
     new_m = None
     if m is not None:
-        new_m = _stochastic_round(m_new.view(-1), m.dtype, seeds[2]).view(p.shape)
+        m_bits = _random_bits(seeds[1], m.t()).t() if transposed else _random_bits(seeds[1], m)
+        new_m = _stochastic_round(m_new, m.dtype, m_bits)
     return new_p, new_v, new_m
 
 
-_STREAMS = (0, 0x27D4EB2F, 0x5BD1E995)  # the logits', second moment's and momentum's rounding streams
+# Rounding streams: the logits' (with the per-logit second moment's), the momentum's.
+_STREAMS = (0, 0x5BD1E995)
 _UPDATES = {"group": _update_group, "logit": _update_logit}
 
 
@@ -269,7 +290,7 @@ class MaskAdamW(torch.optim.Optimizer):
     def _rounding_seeds(
         self, step: int, index: int, element_offset: int, device: torch.device
     ) -> torch.Tensor:
-        """The stochastic-rounding seeds ``[3, 2]`` (logits, second moment, momentum) of one parameter at
+        """The stochastic-rounding seeds ``[2, 2]`` (logits and second moment, momentum) of one parameter at
         one step: a function of (seed, step, parameter index) only, the same on every process.
 
         DDP replicas must round identically or their logits drift apart (DDP never re-syncs
@@ -313,12 +334,21 @@ class MaskAdamW(torch.optim.Optimizer):
                 step = int(state["step"])
                 m = local_shard(state["exp_avg"]) if "exp_avg" in state else None
                 v = local_shard(state["exp_avg_sq"])
+                seeds = self._rounding_seeds(step, index, row_offset * rows.shape[1], rows.device)
+                # Bias corrections as a tensor: a Python float that changes every step would be a symbolic
+                # scalar in compiled code, whose kernels came out several times slower.
+                corrections = torch.tensor([1.0 - beta1**step, 1.0 - beta2**step], device=rows.device)
+                # Candidate-major logits (how masked layers store them): the per-logit update runs over the
+                # [C, G] transposes, whose memory order is the storage's (one fused loop once compiled).
+                transposed = self.second_moment == "logit" and rows.stride(0) == 1 and rows.stride(1) != 1
+                tensors = [t.t() if transposed and t is not None else t for t in (rows, grad, v, m)]
                 if self.compile:  # one kernel for every group count
-                    for t in (rows, grad, v) + ((m,) if m is not None else ()):
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                    for t in tensors:
+                        if t is not None:
+                            torch._dynamo.maybe_mark_dynamic(t, 1 if transposed else 0)
                 fn(
-                    rows, grad, v, m, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    float(step), self._rounding_seeds(step, index, row_offset * rows.shape[1], rows.device),
+                    *tensors, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], corrections, seeds,
+                    transposed,
                 )  # fmt: skip
         return loss
 

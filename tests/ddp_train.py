@@ -46,7 +46,10 @@ def main(out: str, named: bool = False) -> None:
     rank = torch.distributed.get_rank()
     tensors = {f"{k}.mask": v.to(torch.uint8) for k, v in mask_model.hard_masks().items()}
     tensors.update(
-        {f"{k}.logits": layer.mask_logits.detach() for k, layer in mask_model.masked_layers().items()}
+        {
+            f"{k}.logits": layer.mask_logits.detach().contiguous()
+            for k, layer in mask_model.masked_layers().items()
+        }
     )
     tensors["world_size"] = torch.tensor(torch.distributed.get_world_size())
     if named:
@@ -55,7 +58,10 @@ def main(out: str, named: bool = False) -> None:
             {f"default.{k}.mask": v.to(torch.uint8) for k, v in mask_model.hard_masks("default").items()}
         )
         tensors.update(
-            {f"default.{k}.logits": v.detach() for k, v in mask_model._masks["default"].logits.items()}
+            {
+                f"default.{k}.logits": v.detach().contiguous()
+                for k, v in mask_model._masks["default"].logits.items()
+            }
         )
     # the same global seed on every rank (as the Trainer sets it), yet each rank's Gumbel noise is its own
     from hf_maskllm.adapters.sampling import sample_soft_mask

@@ -119,20 +119,23 @@ def test_compact_per_logit_second_moment_is_close_and_unbiased(bits, dtype, max_
 
 def test_8bit_second_moment_format():
     """Every code decodes to a float32 that encodes back to itself; rounding between neighbours is
-    unbiased; below the range is its floor (the root stays below eps), above it its top."""
+    unbiased (16 random bits); below the range is its floor (the root stays below eps), above it its top."""
     from hf_maskllm.adapters.sampling import seed_tensor
-    from hf_maskllm.optim import V8_MIN_EXP, _decode_v8, _encode_v8
+    from hf_maskllm.optim import V8_MIN_EXP, _decode_v8, _encode_v8, _random_bits
+
+    def encode(v: torch.Tensor, seed: int) -> torch.Tensor:
+        return _encode_v8(v, (_random_bits(seed_tensor(seed), v) >> 16) & 0xFFFF)
 
     codes = torch.arange(256, dtype=torch.uint8)
     values = _decode_v8(codes)
-    assert torch.equal(_encode_v8(values.contiguous(), seed_tensor(7)), codes)
+    assert torch.equal(encode(values.contiguous(), 7), codes)
     assert values[0] == 2.0**V8_MIN_EXP and values[-1] == 1.75 * 2.0 ** (V8_MIN_EXP + 63)
     assert bool((values[1:] > values[:-1]).all())  # monotonic
     x = torch.full((200_000,), 1.1e-7)  # between the codes 1.75 * 2**-24 and 2**-23
-    rounded = _decode_v8(_encode_v8(x, seed_tensor(3)))
+    rounded = _decode_v8(encode(x, 3))
     assert set(rounded.unique().tolist()) == {1.75 * 2.0**-24, 2.0**-23}
     assert abs(rounded.double().mean().item() / 1.1e-7 - 1) < 2e-3
-    edges = _decode_v8(_encode_v8(torch.tensor([0.0, 1e-30, 1e3]), seed_tensor(3)))
+    edges = _decode_v8(encode(torch.tensor([0.0, 1e-30, 1e3]), 3))
     assert edges.tolist() == [values[0].item(), values[0].item(), values[-1].item()]
 
 
@@ -249,6 +252,32 @@ def test_replicas_round_identically_whatever_their_rng_state():
         replicas.append(p.detach())
     assert torch.equal(replicas[0], replicas[1])
     assert not torch.equal(replicas[0], p0)
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("second_moment", ["logit", "group"])
+def test_candidate_major_and_row_major_logits_update_bit_identically(compile, second_moment):
+    """Masked layers store logits candidate-major, FSDP2 shards hold them row-major: every element
+    draws the same rounding bits in both layouts, so both take exactly the same steps."""
+    from hf_maskllm.adapters.fused_linear import candidate_major
+
+    torch.manual_seed(0)
+    p0 = (torch.randn(512, 6) * 0.05).to(torch.bfloat16)
+    grads = [torch.randn(512, 6).to(torch.bfloat16) for _ in range(3)]
+    results = []
+    for layout in (lambda t: t.contiguous(), candidate_major):
+        p = torch.nn.Parameter(layout(p0.clone()))
+        opt = MaskAdamW(
+            [p], lr=1e-3, compile=compile, second_moment=second_moment, momentum_dtype=torch.bfloat16
+        )
+        for g in grads:
+            p.grad = layout(g.clone())
+            opt.step()
+        assert p.stride() == layout(p0).stride()
+        results.append((p.detach(), opt.state[p]["exp_avg_sq"], opt.state[p]["exp_avg"]))
+    for row_major, candidate_major_ in zip(*results):
+        assert torch.equal(row_major, candidate_major_)
+    assert not torch.equal(results[0][0], p0)
 
 
 @pytest.mark.parametrize(

@@ -220,6 +220,61 @@ def test_kept_and_recomputed_samples_give_identical_gradients(compiled):
     assert grads[0][2].abs().max() > 0
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_candidate_major_logits_give_identical_results_and_a_gradient_in_their_layout(compiled):
+    """Masked layers store logits candidate-major (contiguous columns for the per-group passes): the
+    fused linear's output and gradients equal the row-major ones bit for bit, and the logits' gradient
+    comes back in the logits' own layout (no copy when autograd stores it)."""
+    torch.manual_seed(5)
+    weight, x0 = torch.randn(40, 64), torch.randn(2, 7, 64)
+    base = (torch.randn(40 * 16, 6) * 0.05).to(torch.bfloat16)
+    upstream = torch.randn(2, 7, 40)
+    results = []
+    for layout in (lambda t: t.contiguous(), fused_linear.candidate_major):
+        x, logits = x0.clone().requires_grad_(), layout(base.clone()).requires_grad_()
+        y, reg = fused_linear.masked_linear(
+            x, weight, None, logits, 2, 4, sampling.seed_tensor(9), 0.7, 300.0, False, True, compiled
+        )  # fmt: skip
+        ((y * upstream).sum() + 1e-3 * reg).backward()
+        assert logits.grad.stride() == logits.stride()
+        results.append((y.detach(), x.grad, logits.grad))
+    assert results[1][2].stride() == (1, 40 * 16)
+    for row_major, candidate_major in zip(*results):
+        assert torch.equal(row_major, candidate_major)
+
+
+def test_trainer_stores_logits_candidate_major_and_checkpoints_them_row_major(tmp_path):
+    """MaskAnnealCallback switches the logits to candidate-major storage when the Trainer is created
+    (not under FSDP); switching named masks keeps the layout; the state dict (what a Trainer checkpoint
+    writes with safetensors) is contiguous; values never change."""
+    from models import tiny_llama
+    from safetensors.torch import save_file
+    from transformers import Trainer, TrainingArguments
+
+    from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
+
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    before = {k: v.clone() for k, v in mm.state_dict().items()}
+    layers = mm.masked_layers().values()
+    assert all(layer.mask_logits.is_contiguous() for layer in layers)
+    mm.add_mask("task", MaskConfig())
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    Trainer(model=mm, args=args, callbacks=[MaskAnnealCallback()])
+    for name in ("default", "task", "default"):
+        mm.set_mask(name)
+        for layer in mm.masked_layers().values():
+            assert layer.mask_logits.stride() == (1, layer.mask_logits.shape[0]), name
+    state = mm.state_dict()
+    assert all(t.is_contiguous() for t in state.values())
+    assert all(torch.equal(state[k], before[k]) for k in before)
+    save_file(state, tmp_path / "checkpoint.safetensors")
+    assert mm.set_candidate_major_logits(False) is True
+    assert all(layer.mask_logits.is_contiguous() for layer in mm.masked_layers().values())
+    fsdp = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True)
+    MaskAnnealCallback().on_init_end(fsdp, None, None, model=mm)
+    assert all(layer.mask_logits.is_contiguous() for layer in mm.masked_layers().values())
+
+
 def test_set_recompute_sampling_sets_every_layer_and_returns_the_previous():
     from models import tiny_llama
 

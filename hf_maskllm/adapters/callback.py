@@ -7,6 +7,7 @@ with ``resume_from_checkpoint`` continues on exactly the same schedule.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Any
@@ -59,6 +60,14 @@ def _warn_if_rounding_away(mask_model: MaskModel, optimizer: Any) -> None:
             "docs/scale.md has the measured quality of each setting.",
             stacklevel=2,
         )
+
+
+def _uses_fsdp(args: Any) -> bool:
+    """Whether this Trainer run shards the model with FSDP (TrainingArguments.fsdp or accelerate's config)."""
+    return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in (
+        "1",
+        "true",
+    )
 
 
 def _sum_over_shards(stats: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -185,6 +194,17 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self.kappa = schedule_value(cfg.kappa[0], cfg.kappa[1], progress, cfg.kappa_schedule)
         mask_model.set_schedule_values(self.tau, self.kappa)
         mask_model.sparse_reg_weight = cfg.sparse_reg * max(0.0, 1.0 - progress)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        # Before the Trainer builds its optimizer or wraps the model: the fast layout of the logits,
+        # unless FSDP will shard them (it shards only contiguous parameters).
+        if model is None or _uses_fsdp(args):
+            return
+        try:
+            mask_model = find_mask_model(model)
+        except MaskLLMError:
+            return  # on_train_begin says what is missing
+        mask_model.set_candidate_major_logits(True)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         mask_model = find_mask_model(model)

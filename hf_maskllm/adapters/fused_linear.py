@@ -39,10 +39,23 @@ from torch.autograd.function import once_differentiable
 from .denormals import flushed_product
 from .sampling import sample_probs, soft_mask_from_probs
 
-__all__ = ["MaskedLinearFunction", "masked_linear", "native_bf16_matmul", "weight_grad"]
+__all__ = ["MaskedLinearFunction", "candidate_major", "masked_linear", "native_bf16_matmul", "weight_grad"]
 
 _COMPILED: dict[str, Any] = {}  # the compiled passes, shared by every model (compiled once per process)
 _SQUARE_UNDERFLOW = 2.0**-63  # |w| below this: w * w is below the float32 normal range (2**-126)
+
+
+def candidate_major(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[G, C]`` with the same values, stored candidate-major (strides ``(1, G)``).
+
+    How masked layers store their logits for training (``MaskModel.set_candidate_major_logits``): every
+    per-group pass reads, and the backward pass writes, one candidate's column at a time, and in this
+    layout each column is contiguous (vector loads and stores instead of strided ones). Any layout
+    gives the same results.
+    """
+    if logits.dim() != 2 or logits.stride(0) == 1 or logits.shape[0] <= 1:
+        return logits
+    return logits.t().contiguous().t()
 
 
 def native_bf16_matmul(device: torch.device) -> bool:
@@ -107,8 +120,10 @@ def _masked_columns(weight, probs, n: int, m: int, hard: bool) -> list[torch.Ten
     return [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
 
 
-def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad, dtype: torch.dtype):
-    """``dL/dlogits`` ``[G, C]`` (contiguous, in ``dtype``: the logits' layout and dtype) from
+def _logits_grad(
+    grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, reg_grad, dtype: torch.dtype, like: torch.Tensor
+):  # fmt: skip
+    """``dL/dlogits`` ``[G, C]`` in ``dtype`` and laid out like ``like`` (the logits) from
     ``dL/d(W * mask)`` ``[G, m]``, the sample's probabilities (C columns ``[G]``) and the regulariser's
     scalar gradient (or None).
 
@@ -129,10 +144,11 @@ def _logits_grad(grad_w, weight, probs, n: int, m: int, tau, kappa, hard: bool, 
     grad_probs = [_total([grad_mask[j] for j in combo]) for combo in itertools.combinations(range(m), n)]
     dot = _total([flushed_product(g, p) for p, g in zip(probs, grad_probs)])
     scale = kappa / tau  # d scores / d logits
-    # Computed candidate-major (contiguous stores vectorise), written out in the logits' [G, C] layout
-    # and dtype: autograd then keeps it as the gradient without another copy.
+    # Computed candidate-major (contiguous stores vectorise) and returned in the logits' layout and dtype:
+    # autograd then keeps it as the gradient without another copy.
     grad = torch.stack([flushed_product((g - dot) * scale, p) for p, g in zip(probs, grad_probs)], dim=0)
-    return grad.t().to(dtype).contiguous()
+    grad = grad.to(dtype).t()
+    return grad if like.stride(0) == 1 else grad.contiguous()
 
 
 def _backward_pass(
@@ -148,7 +164,7 @@ def _backward_pass(
     """
     probs = sample_probs(logits, seed, tau, kappa) if probs is None else list(probs)
     w_eff = torch.stack(_masked_columns(weight, probs, n, m, hard), dim=-1).to(w_dtype)
-    return w_eff, _logits_grad(grad_w, weight, probs, n, m, tau, kappa, hard, reg_grad, grad_dtype)
+    return w_eff, _logits_grad(grad_w, weight, probs, n, m, tau, kappa, hard, reg_grad, grad_dtype, logits)
 
 
 _PASSES = {"sample_weight": _sample_weight, "backward": _backward_pass}

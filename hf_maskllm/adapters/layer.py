@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from ..modules import dense_weight_view
 from ..patterns import candidate_patterns
 from .denormals import masked_weight_product
-from .fused_linear import masked_linear
+from .fused_linear import candidate_major, masked_linear
 from .sampling import draw_seed, hard_indices, sample_soft_mask
 
 __all__ = ["MaskedLinear"]
@@ -48,6 +48,7 @@ class MaskedLinear(nn.Module):
         self.track_sparse_reg = False
         self.compiled_sampling = False  # run the fused sampling passes through torch.compile
         self.recompute_sampling: bool | None = None  # None: keep the sample's probabilities on CPU only
+        self.candidate_major_logits = False  # how mask_logits is stored (set_logits_layout)
         self.last_sparse_reg: torch.Tensor | None = None
         self._cache_key: tuple | None = None
         self._cached_mask: torch.Tensor | None = None
@@ -68,6 +69,16 @@ class MaskedLinear(nn.Module):
                 return mask
             self._cached_mask, self._cache_key = mask, key
         return self._cached_mask
+
+    @torch.no_grad()
+    def set_logits_layout(self, candidate_major_storage: bool) -> None:
+        """Store ``mask_logits`` candidate-major (``[C, G]`` storage, contiguous columns for the fused
+        passes) or row-major; same values and parameter object. A sharded (DTensor) parameter is left as is."""
+        self.candidate_major_logits = bool(candidate_major_storage)
+        logits = self.mask_logits
+        if type(logits.data) is not torch.Tensor:
+            return
+        logits.data = candidate_major(logits.data) if candidate_major_storage else logits.data.contiguous()
 
     def train(self, mode: bool = True) -> MaskedLinear:
         self._cached_mask, self._cache_key = None, None

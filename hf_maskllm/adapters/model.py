@@ -205,6 +205,21 @@ class MaskModel(NamedMasksMixin, nn.Module):
             layer.compiled_sampling = bool(enabled)
         return previous
 
+    def set_candidate_major_logits(self, enabled: bool) -> bool:
+        """Store every masked layer's logits candidate-major or row-major; returns the previous setting.
+
+        Candidate-major: the ``[G, C]`` parameter is backed by ``[C, G]`` storage, so the fused training
+        passes read and write each candidate's column contiguously (faster on CPU; docs/design.md).
+        Values, shapes, state dicts and saved files are the same either way. ``MaskAnnealCallback`` turns
+        it on when the Trainer is created, unless the run uses FSDP (which shards only contiguous
+        parameters). Set it before an optimizer, DDP or FSDP takes hold of the logits.
+        """
+        layers = list(self.masked_layers().values())
+        previous = any(layer.candidate_major_logits for layer in layers)
+        for layer in layers:
+            layer.set_logits_layout(enabled)
+        return previous
+
     def set_recompute_sampling(self, recompute: bool | None) -> bool | None:
         """Whether the backward pass regenerates each layer's mask sample instead of keeping its
         probabilities from the forward pass; returns the previous setting.
@@ -235,11 +250,17 @@ class MaskModel(NamedMasksMixin, nn.Module):
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Only the active mask's logits (what a Trainer checkpoint needs to resume)."""
+        """Only the active mask's logits (what a Trainer checkpoint needs to resume), row-major
+        (the layers store them candidate-major; safetensors writes contiguous tensors only)."""
         full = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        for key in [k for k in full if k.startswith(prefix) and not k.endswith(".mask_logits")]:
-            del full[key]
+        keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+        for key in [k for k in full if k.startswith(prefix)]:
+            if key.endswith(".mask_logits"):
+                if not keep_vars:
+                    full[key] = full[key].contiguous()
+            else:
+                del full[key]
         return full
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:

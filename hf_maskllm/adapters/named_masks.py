@@ -227,6 +227,8 @@ class NamedMasksMixin:
             if param.device != layer.mask_logits.device:  # the model moved while this mask was aside
                 param = nn.Parameter(param.detach().to(layer.mask_logits.device), requires_grad=False)
             layer.mask_logits = param
+            if layer.candidate_major_logits:  # the layout the layer was set to (set_candidate_major_logits)
+                layer.set_logits_layout(True)
             param.requires_grad_(new.trainable)
             if (layer.tau, layer.kappa, layer.hard) != schedule:  # (nn.Module.__setattr__ is slow)
                 layer.tau, layer.kappa, layer.hard = schedule

@@ -25,6 +25,7 @@ __all__ = [
     "gumbel_uniform",
     "hard_indices",
     "hash_bits",
+    "hash_index",
     "max_probability",
     "sample_probs",
     "sample_soft_mask",
@@ -76,7 +77,11 @@ def hash_bits(seed: torch.Tensor, rows: int, cols: int, device: torch.device) ->
 
     The index wraps at 2**32 (tensors above 4 G elements would repeat bits).
     """
-    index = torch.arange(rows * cols, device=device, dtype=torch.int32).view(rows, cols)
+    return hash_index(seed, torch.arange(rows * cols, device=device, dtype=torch.int32).view(rows, cols))
+
+
+def hash_index(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """32 pseudo-random bits (int32) per element of ``index`` (int32): a hash of ``seed`` and the index."""
     return _mix32(_mix32(index + seed[0]) ^ seed[1])
 
 
