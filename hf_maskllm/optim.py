@@ -112,11 +112,14 @@ def _flush(x: torch.Tensor, below: float) -> torch.Tensor:
     return torch.where(x.abs() < below, 0.0, x)
 
 
-def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, corrections, seeds, transposed=False):
+def _update_group(p, grad, v, m, scalars, beta1, beta2, eps, seeds, transposed=False):
     """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
 
-    ``corrections``: the bias corrections ``[1 - beta1**t, 1 - beta2**t]`` of step t. Returns the new ``(p, v, m)`` shaped as the inputs (``m`` may be None).
+    ``scalars``: what changes from step to step, ``[lr, 1 - lr * weight_decay, FLOAT32_TINY / lr,
+    1 - beta1**t, 1 - beta2**t]`` (float32, :meth:`MaskAdamW._scalars`). Returns the new ``(p, v, m)``
+    shaped as the inputs (``m`` may be None).
     """
+    lr, decay, tiny_step, correction1, correction2 = (scalars[i] for i in range(5))
     c = p.shape[1]
     g = [_flush(grad[:, j].float(), FLOAT32_TINY) for j in range(c)]
     g_sq = [_flush(gj, (FLOAT32_TINY * c / (1.0 - beta2)) ** 0.5).square() for gj in g]
@@ -124,18 +127,16 @@ def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, correction
     for gj in g_sq[1:]:
         mean_sq = mean_sq + gj
     v = beta2 * _flush(v, FLOAT32_TINY / beta2) + (1.0 - beta2) * (mean_sq / c)
-    denom = torch.sqrt(v / corrections[1]) + eps
+    denom = torch.sqrt(v / correction2) + eps
     if m is not None:
         m_new = [
             beta1 * _flush(m[:, j].float(), FLOAT32_TINY / beta1)
             + (1.0 - beta1) * _flush(g[j], FLOAT32_TINY / (1.0 - beta1))
             for j in range(c)
         ]
-        direction = [mj / corrections[0] for mj in m_new]
+        direction = [mj / correction1 for mj in m_new]
     else:
         direction = g
-    decay = 1.0 - lr * weight_decay
-    tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
     new = [p[:, j].float() * decay - lr * _flush(direction[j] / denom, tiny_step) for j in range(c)]
     # Candidate-major [C, G] stacking: contiguous stores vectorise; returned as [G, C] views.
     stacked = torch.stack(new, dim=0)
@@ -147,27 +148,28 @@ def _update_group(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, correction
     return new_p, v, new_m
 
 
-def _update_logit(p, grad, v, m, lr, beta1, beta2, eps, weight_decay, corrections, seeds, transposed=False):
+def _update_logit(p, grad, v, m, scalars, beta1, beta2, eps, seeds, transposed=False):
     """One step of a ``[G, C]`` parameter with a per-logit second moment ``v [G, C]`` (AdamW's rule).
 
     ``v`` is float32, bfloat16 or 8-bit codes (uint8). Every state is rounded stochastically to its
-    own format. ``corrections`` as in :func:`_update_group`. ``transposed``: the tensors are the ``[C, G]`` transposes (the random bits of each
-    logit are the same either way). Returns the new ``(p, v, m)``.
+    own format. ``scalars`` as in :func:`_update_group`. ``transposed``: the tensors are the
+    ``[C, G]`` transposes (each logit draws the same random bits either way). Returns the new
+    ``(p, v, m)``.
     """
+    lr, decay, tiny_step, correction1, correction2 = (scalars[i] for i in range(5))
     g = _flush(grad.float(), FLOAT32_TINY)  # a clipped gradient can be denormal
     v_old = _decode_v8(v) if v.dtype == torch.uint8 else v.float()
     g_sq = _flush(g, (FLOAT32_TINY / (1.0 - beta2)) ** 0.5).square()
     v_new = beta2 * _flush(v_old, FLOAT32_TINY / beta2) + (1.0 - beta2) * g_sq
-    denom = torch.sqrt(v_new / corrections[1]) + eps
+    denom = torch.sqrt(v_new / correction2) + eps
     if m is not None:
         m_new = beta1 * _flush(m.float(), FLOAT32_TINY / beta1) + (1.0 - beta1) * _flush(
             g, FLOAT32_TINY / (1.0 - beta1)
         )
-        direction = m_new / corrections[0]
+        direction = m_new / correction1
     else:
         direction = g
-    tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")
-    new = p.float() * (1.0 - lr * weight_decay) - lr * _flush(direction / denom, tiny_step)
+    new = p.float() * decay - lr * _flush(direction / denom, tiny_step)
     # One hash per logit: its low 16 bits round the logit, its high 16 bits the second moment.
     bits = _random_bits(seeds[0], p.t()).t() if transposed else _random_bits(seeds[0], p)
     new_p = _stochastic_round(new, p.dtype, bits)
@@ -306,6 +308,27 @@ class MaskAdamW(torch.optim.Optimizer):
         return torch.tensor([[w - 2**32 if w >= 2**31 else w for w in pair] for pair in words],
                             dtype=torch.int32, device=device)  # fmt: skip
 
+    @staticmethod
+    def _scalars(
+        lr: float,
+        weight_decay: float,
+        beta1: float,
+        beta2: float,
+        step: int,
+        device: torch.device,
+        cache: dict,
+    ) -> torch.Tensor:
+        """``[lr, 1 - lr * weight_decay, FLOAT32_TINY / lr, 1 - beta1**step, 1 - beta2**step]`` (float32),
+        one tensor per distinct value in a step. A tensor, not Python floats: the learning rate and the
+        step change every step, and compiled code would recompile for them once and run as symbolic
+        scalars, which split the update into several slower loops on CPU."""
+        key = (lr, weight_decay, beta1, beta2, step, device)
+        if key not in cache:
+            tiny_step = FLOAT32_TINY / lr if lr > 0 else float("inf")  # updates below it would be denormal
+            values = [lr, 1.0 - lr * weight_decay, tiny_step, 1.0 - beta1**step, 1.0 - beta2**step]
+            cache[key] = torch.tensor(values, dtype=torch.float32).to(device)
+        return cache[key]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -313,6 +336,7 @@ class MaskAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         fn = self._fn()
+        cache: dict[tuple, torch.Tensor] = {}
         index = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -335,9 +359,9 @@ class MaskAdamW(torch.optim.Optimizer):
                 m = local_shard(state["exp_avg"]) if "exp_avg" in state else None
                 v = local_shard(state["exp_avg_sq"])
                 seeds = self._rounding_seeds(step, index, row_offset * rows.shape[1], rows.device)
-                # Bias corrections as a tensor: a Python float that changes every step would be a symbolic
-                # scalar in compiled code, whose kernels came out several times slower.
-                corrections = torch.tensor([1.0 - beta1**step, 1.0 - beta2**step], device=rows.device)
+                scalars = self._scalars(
+                    group["lr"], group["weight_decay"], beta1, beta2, step, rows.device, cache
+                )
                 # Candidate-major logits (how masked layers store them): the per-logit update runs over the
                 # [C, G] transposes, whose memory order is the storage's (one fused loop once compiled).
                 transposed = self.second_moment == "logit" and rows.stride(0) == 1 and rows.stride(1) != 1
@@ -347,8 +371,7 @@ class MaskAdamW(torch.optim.Optimizer):
                         if t is not None:
                             torch._dynamo.maybe_mark_dynamic(t, 1 if transposed else 0)
                 fn(
-                    *tensors, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], corrections, seeds,
-                    transposed,
+                    *tensors, scalars, beta1, beta2, group["eps"], seeds, transposed,
                 )  # fmt: skip
         return loss
 

@@ -254,6 +254,27 @@ def test_replicas_round_identically_whatever_their_rng_state():
     assert not torch.equal(replicas[0], p0)
 
 
+@pytest.mark.slow
+def test_compiled_update_compiles_once_whatever_the_learning_rate_and_step():
+    """The learning rate (a scheduler changes it every step) and the step count reach the compiled
+    update as a tensor: the first step compiles, later ones reuse it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(300, 6) * 0.05).to(torch.bfloat16))
+    opt = MaskAdamW([p], lr=1e-3, compile=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    p.grad = torch.randn(300, 6).to(torch.bfloat16)
+    opt.step()
+    compiled = counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        schedule.step()
+        p.grad = torch.randn(300, 6).to(torch.bfloat16)
+        opt.step()
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("second_moment", ["logit", "group"])
 def test_candidate_major_and_row_major_logits_update_bit_identically(compile, second_moment):

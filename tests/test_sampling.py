@@ -309,7 +309,8 @@ def test_autocast_runs_matmuls_in_low_precision_and_sampling_in_float32(dtype):
 
 @pytest.mark.slow
 def test_compiled_code_is_reused_across_shapes_and_schedules():
-    """One kernel per (n, m, direction): new layer sizes, token counts, tau and kappa do not recompile."""
+    """One kernel per (n, m, direction), compiled by the first call: new layer sizes, token counts, tau
+    and kappa do not recompile (an annealed float compiled as a constant would recompile mid-run)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -325,9 +326,8 @@ def test_compiled_code_is_reused_across_shapes_and_schedules():
         (y.sum() + reg).backward()
 
     step(24, 40, 5, 2.0)
-    step(48, 40, 7, 1.0)
     compiled = counters["stats"]["unique_graphs"]
-    for out_f, in_f, tokens, tau in [(8, 64, 3, 0.5), (40, 24, 11, 3.0), (96, 128, 2, 0.1)]:
+    for out_f, in_f, tokens, tau in [(48, 40, 7, 1.0), (8, 64, 3, 0.5), (40, 24, 11, 3.0), (96, 128, 2, 0.1)]:
         step(out_f, in_f, tokens, tau)
     assert counters["stats"]["unique_graphs"] == compiled
 

@@ -23,6 +23,7 @@ from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
 from ..training_args import recipe_departures
 from .denormals import LN_FLOAT32_TINY
+from .fused_linear import scalar_tensor
 from .model import MaskModel
 from .sampling import hard_indices, max_probability
 from .schedules import schedule_value
@@ -127,6 +128,7 @@ def _compiled_indices_and_flips(logits, previous, hamming, kappa=None):
         )
     torch._dynamo.maybe_mark_dynamic(logits, 0)
     torch._dynamo.maybe_mark_dynamic(previous, 0)
+    kappa = None if kappa is None else scalar_tensor(kappa, logits.device)  # no recompile as kappa anneals
     return _COMPILED["stats"](logits, previous, hamming, kappa)
 
 

@@ -39,7 +39,14 @@ from torch.autograd.function import once_differentiable
 from .denormals import flushed_product
 from .sampling import sample_probs, soft_mask_from_probs
 
-__all__ = ["MaskedLinearFunction", "candidate_major", "masked_linear", "native_bf16_matmul", "weight_grad"]
+__all__ = [
+    "MaskedLinearFunction",
+    "candidate_major",
+    "masked_linear",
+    "native_bf16_matmul",
+    "scalar_tensor",
+    "weight_grad",
+]
 
 _COMPILED: dict[str, Any] = {}  # the compiled passes, shared by every model (compiled once per process)
 _SQUARE_UNDERFLOW = 2.0**-63  # |w| below this: w * w is below the float32 normal range (2**-126)
@@ -170,13 +177,34 @@ def _backward_pass(
 _PASSES = {"sample_weight": _sample_weight, "backward": _backward_pass}
 # Per pass: (arguments whose dim 0 is G, arguments whose dim 1 is G), so G is never specialised on.
 _GROUP_DIMS = {"sample_weight": ((0, 1), ()), "backward": ((0, 1, 3), (2,))}
+_SCHEDULE_ARGS = {"sample_weight": (3, 4), "backward": (5, 6)}  # tau, kappa
+_SCALARS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def scalar_tensor(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d float32 tensor on ``device``, cached: how compiled code takes a value that
+    changes during a run (tau, kappa, the learning rate). A Python float would compile once as a
+    constant and again as a symbolic scalar when it first changes (seconds of compilation in the
+    middle of a run), and symbolic scalars split some CPU kernels into slower loops."""
+    key = (float(value), torch.device(device))
+    tensor = _SCALARS.get(key)
+    if tensor is None:
+        if len(_SCALARS) > 256:  # a schedule visits each value once
+            _SCALARS.clear()
+        tensor = _SCALARS[key] = torch.full((), float(value), dtype=torch.float32, device=device)
+    return tensor
 
 
 def _run(name: str, compiled: bool, *args):
-    """Call the eager or the compiled version; compiled code is specialised on n and m, not on G."""
+    """Call the eager or the compiled version; compiled code is specialised on n and m, not on G, and
+    takes tau and kappa as tensors (:func:`scalar_tensor`)."""
     fn = _PASSES[name]
     if not compiled:
         return fn(*args)
+    args = list(args)
+    device = args[1].device
+    for i in _SCHEDULE_ARGS[name]:
+        args[i] = scalar_tensor(args[i], device)
     if name not in _COMPILED:
         # Strided [G, C] loads trip inductor's "too many non-contiguous accesses" heuristic, which would
         # fall back to a scalar loop several times slower: always vectorise over groups.
