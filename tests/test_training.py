@@ -142,6 +142,44 @@ def test_callback_anneals_tau_kappa_and_regulariser_per_optimizer_step(
     assert mm.training_summary["final_tau"] == pytest.approx(expected[-1][0])
 
 
+def test_statistics_only_on_logged_steps_with_the_flips_of_the_step_just_logged(tmp_path):
+    """With logging every 3 steps the callback keeps hard choices only across the step before each log
+    (steps 2 and 5 of 6) and logs the fraction of masked weights that changed in that very step."""
+    mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["q_proj", "v_proj"]))
+    callback = MaskAnnealCallback(compile_sampling=False)
+    flips: dict[int, float] = {}
+    kept_after: dict[int, int] = {}
+    before: dict[str, torch.Tensor] = {}
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            before.clear()
+            before.update({k: v.clone() for k, v in mm.hard_masks().items()})
+
+        def on_step_end(self, args, state, control, **kwargs):  # runs after MaskAnnealCallback's
+            after = mm.hard_masks()
+            changed = sum(int((before[k] != after[k]).sum()) for k in before)
+            flips[state.global_step] = changed / sum(v.numel() for v in before.values())
+            kept_after[state.global_step] = len(callback._previous)
+
+    mm.train()
+    trainer = Trainer(
+        model=mm,
+        args=training_args(tmp_path, max_steps=6, logging_steps=3, learning_rate=5e-2),
+        train_dataset=TokenDataset(random_tokens(64, 1)),
+        callbacks=[callback, Watch()],
+    )
+    trainer.train()
+    layers = len(mm.masked_layers())
+    assert kept_after == {1: 0, 2: layers, 3: 0, 4: 0, 5: layers, 6: 0}
+    logged = {h["step"]: h["mask_flip_rate"] for h in trainer.state.log_history if "mask_flip_rate" in h}
+    assert logged.keys() == {3, 6}
+    assert all(logged[step] == pytest.approx(flips[step]) for step in logged)
+    assert any(flips[step] > 0 for step in logged)
+    groups = sum(layer.mask_logits.shape[0] for layer in mm.masked_layers().values())
+    assert callback.held_bytes() == groups + 6 * 6  # one byte per group, held across steps 2 and 5
+
+
 @pytest.mark.parametrize("compiled", [False, None])  # None: compiled where a compiler is available
 def test_callback_flip_rate_and_max_prob_match_a_manual_computation(tmp_path, compiled):
     mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["q_proj", "v_proj"]))

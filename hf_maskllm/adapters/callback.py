@@ -71,6 +71,20 @@ def _uses_fsdp(args: Any) -> bool:
     )
 
 
+def _logs_next_step(args: Any, state: Any) -> bool:
+    """Whether the Trainer will log after the next optimizer step (or it is the last one)."""
+    upcoming = state.global_step + 1
+    if state.max_steps and upcoming >= state.max_steps:
+        return upcoming == state.max_steps
+    if getattr(args, "logging_first_step", False) and upcoming == 1:
+        return True
+    strategy = getattr(args.logging_strategy, "value", args.logging_strategy)
+    if strategy == "steps":
+        every = int(getattr(state, "logging_steps", 0) or args.logging_steps)
+        return every > 0 and upcoming % every == 0
+    return strategy != "no"  # "epoch": not known a step ahead
+
+
 def _sum_over_shards(stats: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``stats`` summed over the processes that hold other shards of ``like`` (a no-op unless sharded)."""
     if not isinstance(like, DTensor):
@@ -86,10 +100,10 @@ def _hamming(n: int, m: int, device: torch.device) -> torch.Tensor:
 
 
 def _indices_and_flips(
-    logits: torch.Tensor, previous: torch.Tensor, hamming: torch.Tensor, kappa: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Every group's hard choice (uint8 ``[G]``, first maximum on ties, as ``argmax``), how many
-    weights differ from ``previous`` (0-d), and with ``kappa`` the sum over groups of
+    logits: torch.Tensor, previous: torch.Tensor | None, hamming: torch.Tensor, kappa: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every group's hard choice (uint8 ``[G]``, first maximum on ties, as ``argmax``), with ``previous``
+    how many weights differ from it (0-d; else None), and with ``kappa`` the sum over groups of
     ``max softmax(kappa * logits)`` (0-d float32; else None), in one pass.
 
     Column by column so that compiled code vectorises over groups (an ``argmax`` or a softmax over a
@@ -103,7 +117,9 @@ def _indices_and_flips(
         better = value > best
         best = torch.where(better, value, best)
         idx = torch.where(better, c, idx)
-    flips = hamming.view(-1)[previous.to(torch.int32) * logits.shape[1] + idx].sum()
+    flips = None
+    if previous is not None:
+        flips = hamming.view(-1)[previous.to(torch.int32) * logits.shape[1] + idx].sum()
     prob_sum = None
     if kappa is not None:  # the largest probability is 1 / sum_c exp(kappa * (l_c - l_max))
         shifted = [kappa * (value - best) for value in columns]  # <= 0; exp of 0 for the maximum
@@ -127,7 +143,8 @@ def _compiled_indices_and_flips(logits, previous, hamming, kappa=None):
             _indices_and_flips, options={"cpp.enable_tiling_heuristics": False}
         )
     torch._dynamo.maybe_mark_dynamic(logits, 0)
-    torch._dynamo.maybe_mark_dynamic(previous, 0)
+    if previous is not None:
+        torch._dynamo.maybe_mark_dynamic(previous, 0)
     kappa = None if kappa is None else scalar_tensor(kappa, logits.device)  # no recompile as kappa anneals
     return _COMPILED["stats"](logits, previous, hamming, kappa)
 
@@ -137,8 +154,8 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     Each optimizer step, with ``t = global_step / max_steps``: ``tau(t)``, ``kappa(t)`` and the sparse
     weight regulariser ``lambda * (1 - t)``. Logged with the Trainer's logs: ``tau``, ``kappa``,
-    ``mask_flip_rate`` (fraction of masked weights whose hard mask changed, mean per step since the
-    last log) and ``mask_max_prob`` (mean over groups of ``max softmax(kappa * logits)``).
+    ``mask_flip_rate`` (fraction of masked weights whose hard mask changed in the optimizer step just
+    logged) and ``mask_max_prob`` (mean over groups of ``max softmax(kappa * logits)``).
 
     At the start of training it warns about every setting that departs from the MaskLLM recipe
     (weight decay, betas and learning rate of the logits, LR schedule, gradient clipping: see
@@ -147,8 +164,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
     two forwards of the same input agree.
 
     Args:
-        log_mask_stats: Compute flip rate and max probability (one argmax over all logits per step).
-            Keeps each group's previous choice as one byte (0.25 bytes per masked 2:4 weight).
+        log_mask_stats: Compute flip rate and max probability on logged steps (one pass over the logits
+            on the step before a log, one on the logged step). Keeps each group's hard choice as one
+            byte (0.25 bytes per masked 2:4 weight) across the step before each log.
         compile_sampling: Fuse the mask sampling with ``torch.compile`` during training (see
             ``adapters/fused_linear.py``); default: when a C++ compiler (CPU) or CUDA is available.
             ``False`` skips the compilation (about a minute on CPU) at some cost per step.
@@ -167,11 +185,11 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._hamming_table: torch.Tensor | None = None
         self.tau: float | None = None
         self.kappa: float | None = None
-        self.flip_rate_sum = 0.0
-        self.flip_rate_count = 0
         self.last_flip_rate: float | None = None
         self.last_max_prob: float | None = None
-        self._previous: dict[str, torch.Tensor] = {}
+        self._flip_rate_to_log: float | None = None
+        self._previous: dict[str, torch.Tensor] = {}  # each group's hard choice, kept for the next step
+        self._held_peak = 0  # the most bytes _previous held across a step
 
     def state(self) -> dict[str, Any]:
         return {
@@ -181,8 +199,6 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
                 "check_recipe": self.check_recipe,
             },
             "attributes": {
-                "flip_rate_sum": self.flip_rate_sum,
-                "flip_rate_count": self.flip_rate_count,
                 "last_flip_rate": self.last_flip_rate,
                 "last_max_prob": self.last_max_prob,
             },
@@ -222,11 +238,14 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         processes = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
         mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps)) * max(1, processes)
         self._apply(mask_model, state.global_step, state.max_steps)
-        if self.log_mask_stats:
-            self._previous = {
-                k: hard_indices(local_shard(layer.mask_logits))
-                for k, layer in mask_model.masked_layers().items()
-            }
+        self._previous, self._held_peak = {}, 0
+        if self.log_mask_stats and _logs_next_step(args, state):
+            self._keep(
+                {
+                    k: hard_indices(local_shard(layer.mask_logits))
+                    for k, layer in mask_model.masked_layers().items()
+                }
+            )
         optimizer = kwargs.get("optimizer")
         _warn_if_rounding_away(mask_model, optimizer)
         if self.check_recipe and optimizer is not None:
@@ -262,23 +281,27 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
 
     @torch.no_grad()
     def _compile_statistics(self, mask_model: MaskModel) -> None:
-        """Compile both variants of the statistics pass (with and without the largest probability) now,
-        with the rest of the first step's compilation, rather than on the first logged step."""
+        """Compile both variants of the statistics pass (hard choices alone, before a logged step; with
+        flips and the largest probability, on it) now, with the rest of the first step's compilation."""
         layers = mask_model.masked_layers()
-        name = next((n for n in layers if n in self._previous), None)
-        if name is None:
+        if not layers:
             return
-        logits = local_shard(layers[name].mask_logits).detach()
-        if logits.shape[1] > 255 or self._previous[name].shape[0] != logits.shape[0]:
+        logits = local_shard(next(iter(layers.values())).mask_logits).detach()
+        if logits.shape[1] > 255:
             return
         table = self._hamming(mask_model.mask_config, logits)
-        for kappa in (None, float(mask_model.mask_config.kappa[0])):
-            _compiled_indices_and_flips(logits, self._previous[name], table, kappa)
+        current, _, _ = _compiled_indices_and_flips(logits, None, table)
+        _compiled_indices_and_flips(logits, current, table, float(mask_model.mask_config.kappa[0]))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._apply(find_mask_model(model), state.global_step, state.max_steps)
 
     # ------------------------------------------------------------------ statistics
+    def _keep(self, choices: dict[str, torch.Tensor]) -> None:
+        """Keep each group's hard choice for the next step's flip count."""
+        self._previous = choices
+        self._held_peak = max(self._held_peak, sum(t.numel() * t.element_size() for t in choices.values()))
+
     @torch.no_grad()
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self._first_step_start is not None:
@@ -289,38 +312,52 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             self._first_step_start = None
         if not self.log_mask_stats:
             return
+        # Statistics are for the logs: computed on logged steps (and the last), flips against the hard
+        # choices kept on the step before. Other steps pay nothing.
+        logged = control.should_log or state.global_step >= state.max_steps
+        keep = _logs_next_step(args, state)
+        if not (logged or keep):
+            self._previous = {}
+            return
         mask_model = find_mask_model(model)
         cfg = mask_model.mask_config
-        # The softmax over every group is the costly statistic: only when this step is logged (or last).
-        with_prob = control.should_log or state.global_step >= state.max_steps
         changed, total, prob_sum, groups = None, 0, None, 0
+        kept: dict[str, torch.Tensor] = {}
         # Under FSDP2 each process sees its own rows of every layer's logits: sums over them, then over processes.
         sharded = None
         for name, layer in mask_model.masked_layers().items():
-            logits = local_shard(layer.mask_logits)
-            if logits is not layer.mask_logits:
+            local = local_shard(layer.mask_logits)
+            if local is not layer.mask_logits:
                 sharded = layer.mask_logits
-            previous = self._previous.get(name)
-            kappa = self.kappa or cfg.kappa[0]
-            prob = None
-            if previous is None or previous.shape[0] != logits.shape[0]:
-                current, flips = hard_indices(logits), None  # one byte per group (C <= 255)
-            elif self._compiled_stats and logits.shape[1] <= 255:
+            logits = local.detach()
+            previous = self._previous.get(name) if logged else None
+            if previous is not None and previous.shape[0] != logits.shape[0]:
+                previous = None
+            kappa = float(self.kappa or cfg.kappa[0])
+            prob = flips = None
+            if self._compiled_stats and logits.shape[1] <= 255:
                 current, flips, prob = _compiled_indices_and_flips(
-                    logits.detach(), previous, self._hamming(cfg, logits), float(kappa) if with_prob else None
+                    logits, previous, self._hamming(cfg, logits), kappa if logged else None
                 )
             else:
-                current = hard_indices(logits)
-                flips = self._hamming(cfg, logits)[previous.long(), current.long()].sum()
+                current = hard_indices(logits)  # one byte per group (C <= 255)
+                if previous is not None:
+                    flips = self._hamming(cfg, logits)[previous.long(), current.long()].sum()
+                if logged:
+                    prob = max_probability(logits, kappa) * current.numel()
             if flips is not None:  # weights that changed
                 changed = flips if changed is None else changed + flips
                 total += current.numel() * cfg.m
-            self._previous[name] = current
-            if with_prob:
-                if prob is None:
-                    prob = max_probability(logits, kappa) * current.numel()
+            if keep:
+                kept[name] = current
+            if prob is not None:
                 prob_sum = prob if prob_sum is None else prob_sum + prob
             groups += current.numel()
+        self._previous = {}
+        if keep:
+            self._keep(kept)
+        if not logged:
+            return
         if sharded is not None:  # one all-reduce for the four sums
             zero = torch.zeros((), dtype=torch.float64, device=sharded.device)
             local = [zero + (0 if v is None else v) for v in (changed, total, prob_sum, groups)]
@@ -328,9 +365,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             total, groups = int(total), int(groups)
             prob_sum = None if prob_sum is None else prob
         if total:  # one host sync per statistic, not one per layer
-            self.last_flip_rate = float(changed) / total
-            self.flip_rate_sum += self.last_flip_rate
-            self.flip_rate_count += 1
+            self.last_flip_rate = self._flip_rate_to_log = float(changed) / total
         if prob_sum is not None:
             self.last_max_prob = float(prob_sum) / max(groups, 1)
 
@@ -348,9 +383,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         if self.tau is not None:
             extra["tau"] = round(self.tau, 6)
             extra["kappa"] = round(self.kappa, 4)
-        if self.flip_rate_count:
-            extra["mask_flip_rate"] = self.flip_rate_sum / self.flip_rate_count
-            self.flip_rate_sum, self.flip_rate_count = 0.0, 0
+        if self._flip_rate_to_log is not None:
+            extra["mask_flip_rate"] = self._flip_rate_to_log
+            self._flip_rate_to_log = None
         if self.last_max_prob is not None:
             extra["mask_max_prob"] = self.last_max_prob
         model = kwargs.get("model")
@@ -365,11 +400,11 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def held_bytes(self) -> int:
-        """Bytes this callback keeps from one step to the next (each group's previous hard choice)."""
-        held = list(self._previous.values()) + (
-            [self._hamming_table] if self._hamming_table is not None else []
-        )
-        return sum(t.numel() * t.element_size() for t in held)
+        """The most bytes this callback keeps from one step to the next in this run: each group's hard
+        choice (kept across the step before each log) and the ``[C, C]`` table."""
+        kept = max(self._held_peak, sum(t.numel() * t.element_size() for t in self._previous.values()))
+        table = self._hamming_table
+        return kept + (table.numel() * table.element_size() if table is not None else 0)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         mask_model = find_mask_model(model)
