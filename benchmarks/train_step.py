@@ -345,7 +345,7 @@ def write_results(args, results: list[dict]) -> None:
             "(magnitude prior, default schedules annealed over those steps: step k runs at progress "
             f"k / {args.run_steps}), then dense steps timed in the same process before and after the run. "
             "Compiled code is reset before the run, as in a fresh process; mean over the steps after the first "
-            "two (which compile).",
+            "two (the first compiles).",
             "",
             "| tokens / step | dense median s | run: mean s (steps 3+) | vs dense | last step s (tau) | "
             "mean of last 3 | vs dense |",
