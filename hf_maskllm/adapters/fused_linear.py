@@ -183,7 +183,7 @@ _SCALARS: dict[tuple[float, torch.device], torch.Tensor] = {}
 
 def scalar_tensor(value: float, device: torch.device) -> torch.Tensor:
     """``value`` as a 0-d float32 tensor on ``device``, cached: how compiled code takes a value that
-    changes during a run (tau, kappa, the learning rate). A Python float would compile once as a
+    changes during a run (tau, kappa). A Python float would compile once as a
     constant and again as a symbolic scalar when it first changes (seconds of compilation in the
     middle of a run), and symbolic scalars split some CPU kernels into slower loops."""
     key = (float(value), torch.device(device))
