@@ -142,11 +142,12 @@ def test_callback_anneals_tau_kappa_and_regulariser_per_optimizer_step(
     assert mm.training_summary["final_tau"] == pytest.approx(expected[-1][0])
 
 
-def test_statistics_only_on_logged_steps_with_the_flips_of_the_step_just_logged(tmp_path):
+@pytest.mark.parametrize("compiled", [False, None])  # None: compiled where a compiler is available
+def test_statistics_only_on_logged_steps_with_the_flips_of_the_step_just_logged(tmp_path, compiled):
     """With logging every 3 steps the callback keeps hard choices only across the step before each log
     (steps 2 and 5 of 6) and logs the fraction of masked weights that changed in that very step."""
     mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["q_proj", "v_proj"]))
-    callback = MaskAnnealCallback(compile_sampling=False)
+    callback = MaskAnnealCallback(compile_sampling=compiled)
     flips: dict[int, float] = {}
     kept_after: dict[int, int] = {}
     before: dict[str, torch.Tensor] = {}
