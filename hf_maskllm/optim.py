@@ -112,7 +112,7 @@ def _flush(x: torch.Tensor, below: float) -> torch.Tensor:
     return torch.where(x.abs() < below, 0.0, x)
 
 
-def _update_group(p, grad, v, m, scalars, beta1, beta2, eps, seeds, transposed=False):
+def _update_group(p, grad, v, m, scalars, beta1, beta2, eps, seeds):
     """One step of a ``[G, C]`` parameter with a per-group second moment ``v [G]`` (float32).
 
     ``scalars``: what changes from step to step, ``[lr, 1 - lr * weight_decay, FLOAT32_TINY / lr,
@@ -371,7 +371,7 @@ class MaskAdamW(torch.optim.Optimizer):
                         if t is not None:
                             torch._dynamo.maybe_mark_dynamic(t, 1 if transposed else 0)
                 fn(
-                    *tensors, scalars, beta1, beta2, group["eps"], seeds, transposed,
+                    *tensors, scalars, beta1, beta2, group["eps"], seeds, *((transposed,) if transposed else ()),
                 )  # fmt: skip
         return loss
 
