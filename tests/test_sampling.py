@@ -101,6 +101,22 @@ def test_hash_noise_statistics():
     assert ((ones - 0.5).abs() < 0.02).all()  # every bit position balanced
 
 
+@pytest.mark.parametrize("seed", [3, 2**40 + 7])
+def test_hash_noise_is_independent_within_a_group_and_gives_gumbel_max_frequencies(seed):
+    """What sampling relies on: a group's C noises are independent (adjacent candidates' joint
+    histogram is flat) and ``argmax(logits + g)`` picks candidate c with probability ``softmax(logits)_c``."""
+    groups = 1_000_000
+    u = sampling.gumbel_uniform(sampling.seed_tensor(seed), groups, 6, torch.device("cpu")).double()
+    first, second = (u[:, :-1] * 32).long().flatten(), (u[:, 1:] * 32).long().flatten()
+    counts = torch.bincount(first * 32 + second, minlength=1024).double()
+    expected = first.numel() / 1024
+    assert ((counts - expected) ** 2 / expected).sum().item() < 1230  # 1023 dof: mean 1023, sd 45
+    logits = torch.tensor([0.5, -1.0, 0.0, 1.2, -0.3, 0.1], dtype=torch.float64)
+    chosen = torch.bincount((logits - torch.log(-torch.log(u))).argmax(dim=1), minlength=6).double()
+    expected = logits.softmax(dim=0) * groups
+    assert ((chosen - expected) ** 2 / expected).sum().item() < 20.5  # 5 dof: p < 0.001
+
+
 # ---------------------------------------------------------------------------------------------- fused linear
 def _reference_linear(x, weight, bias, logits, seed, n, m, tau, kappa, hard=False):
     """float64 plain autograd of ``x @ (W * mask)^T + b`` and ``||W * mask||^2`` with the same noise."""

@@ -81,8 +81,16 @@ def hash_bits(seed: torch.Tensor, rows: int, cols: int, device: torch.device) ->
 
 
 def hash_index(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """32 pseudo-random bits (int32) per element of ``index`` (int32): a hash of ``seed`` and the index."""
-    return _mix32(_mix32(index + seed[0]) ^ seed[1])
+    """32 pseudo-random bits (int32) per element of ``index`` (int32): a hash of ``seed`` and the index.
+
+    ``(index + seed[0]) ^ seed[1]`` through one full-avalanche hash (:func:`_mix32`): for every seed a
+    bijection of the index, so a seed picks a scrambled window of one pseudo-random table. The index
+    enters only through ``index + seed[0]`` (an FSDP shard offsets ``seed[0]`` to draw the bits of its
+    elements). Two multiply rounds per element, not four: the hash is a large part of a sampling pass,
+    and ``tests/test_sampling.py`` checks the noise it gives (uniformity, independence of a group's
+    candidates, Gumbel-max frequencies equal to the softmax).
+    """
+    return _mix32((index + seed[0]) ^ seed[1])
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
