@@ -362,6 +362,13 @@ def write_results(args, results: list[dict]) -> None:
             )
             per_step = ", ".join(f"{s['seconds']:.2f} (tau {s['tau']:.3g})" for s in steps)
             lines += ["", f"Steps of the {r['tokens']}-token run, s: {per_step}."]
+    spreads = ", ".join(
+        f"{r['mode']} {min(r['dense']):.2f}-{max(r['dense']):.2f} s (+{max(r['dense']) / min(r['dense']) - 1:.0%})"
+        for r in results
+    )
+    lines += ["", f"Machine noise: the dense steps of each process ranged {spreads}. The same step on an idle "
+              "machine repeats within a few percent; a wider range means other load on the host, and ratios "
+              "from such a run are less certain."]  # fmt: skip
     lines += ["", "Peak RSS per process: " + ", ".join(
         f"{r['shape']} {r['mode']} {r['peak_rss_gib']:.2f} GiB" for r in results
     ) + "; training state: " + ", ".join(
