@@ -31,6 +31,10 @@ def main() -> None:
     parser.add_argument("--render", help="only rewrite main_job.md from this main_job.json")
     parser.add_argument("learn_args", nargs="*", help="arguments passed to `hf_maskllm learn`")
     args = parser.parse_args()
+    if any(a == "--output" or a.startswith("--output=") for a in args.learn_args):
+        parser.error(
+            "drop --output: this script runs `learn` in a temporary folder and reads its results.json there"
+        )
     if args.render:
         write(Path(args.out_dir), json.loads(Path(args.render).read_text()))
         return
