@@ -14,15 +14,21 @@ Masks, all on one ``MaskModel`` (one copy of the base weights):
 - ``general``: the main job's mask: SparseGPT prior calibrated on ``wikipedia:train``, ``learn_mask`` on
   ``wikipedia:train`` (``--general-mask`` reuses a saved one instead);
 - ``<domain>-scratch``: SparseGPT prior calibrated on the domain's training split, then ``learn_mask``;
-- ``<domain>-transfer``: ``MaskConfig(prior=<general mask folder>)``, then ``learn_mask``: the same
-  steps, batch and sequence length (token budget) as scratch.
+- ``<domain>-transfer``: ``MaskConfig(prior=[<general mask folder>, "sparsegpt"])`` (the general mask
+  and the domain's SparseGPT mask, calibrated as for scratch: their prior terms add, so the groups where
+  they agree start strongly set and learning decides the others), then ``learn_mask``;
+- ``<domain>-transfer-general``: ``MaskConfig(prior=<general mask folder>)``, the general mask alone as
+  the prior (the paper's transfer), then ``learn_mask``.
+
+Scratch and both transfers: the same steps, batch and sequence length (token budget), in one run.
 
 Reported per domain: held-out domain perplexity (``--eval-windows`` windows drawn with a fixed seed over
 the held-out files) of dense, general, scratch and transfer; held-out Wikipedia perplexity of each mask;
 learning time (prior + training, wall and process CPU seconds); storage of each extra mask (saved
 folder, and in memory while inactive and packed); the time ``set_mask`` takes between masks.
 
-Run (CPU, single-threaded; about 2 x (prior + 2 x steps x ~11 s) + evaluations, plus the general mask):
+Run (CPU, single-threaded; about an hour: the general mask, then per domain two SparseGPT priors and three
+learning runs of ``--steps`` x ~8 s, and the evaluations):
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/downstream.py --out-dir benchmarks/results
 Smoke test (minutes): add ``--general-steps 2 --steps 2 --calib-samples 2 --eval-windows 1 --eval-seqlen 128
 --seqlen 64 --out-dir /tmp/downstream``.
@@ -224,7 +230,12 @@ def main() -> None:
             seqlen=args.calib_seqlen,
             seed=args.seed,
         )
-        for kind, prior in (("scratch", "sparsegpt"), ("transfer", general_folder)):
+        kinds = (
+            ("scratch", "sparsegpt"),
+            ("transfer", [general_folder, "sparsegpt"]),
+            ("transfer-general", general_folder),
+        )
+        for kind, prior in kinds:
             name = f"{domain}-{kind}"
             with Clock() as prior_clock:
                 mm.add_mask(name, MaskConfig(prior=prior, **general_cfg), calibration_data=calib)
@@ -394,8 +405,10 @@ def _markdown(r: dict) -> str:
         )  # fmt: skip
         + ".",
         "",
-        "Start: the domain perplexity of the mask learning starts from (the prior's hard mask: SparseGPT "
-        "on the domain for scratch, the general mask for transfer).",
+        "Masks: `scratch`: SparseGPT prior calibrated on the domain; `transfer`: the general mask and the "
+        'domain\'s SparseGPT mask together as the prior (`MaskConfig(prior=[general, "sparsegpt"])`); '
+        "`transfer-general`: the general mask alone as the prior. Start: the domain perplexity of the hard "
+        "mask learning starts from. Learning time: prior (SparseGPT calibration included) and learning.",
         "",
         "| domain | mask | start PPL | domain PPL | Wikipedia PPL | learning time (wall / CPU) | saved mask |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -411,7 +424,9 @@ def _markdown(r: dict) -> str:
         lines.append(
             f"| {domain} | general | | {general[domain]:.2f} | {general['wikipedia']:.2f} | {g_time} | |"
         )
-        for kind in ("scratch", "transfer"):
+        for kind in ("scratch", "transfer", "transfer-general"):
+            if f"{domain}-{kind}" not in rows:
+                continue
             row = rows[f"{domain}-{kind}"]
             start = f"{row['start_ppl']:.2f}" if "start_ppl" in row else ""
             lines.append(
@@ -422,13 +437,18 @@ def _markdown(r: dict) -> str:
     lines += ["", "Targets:", ""]
     for domain in r["domains"]:
         d, g = rows["dense"][domain], general[domain]
-        s, t = rows[f"{domain}-scratch"][domain], rows[f"{domain}-transfer"]
-        closed = (g - t[domain]) / (g - d) if g != d else float("nan")
-        lines.append(
-            f"- {domain}: transfer {t[domain]:.2f} vs scratch {s:.2f} ({'beats' if t[domain] < s else 'does not beat'}"
-            f" scratch); transfer closes {closed:.1%} of the general -> dense gap ({g:.2f} -> {d:.2f}; target 75%) "
-            f"in {t['cpu_seconds'] / 60:.1f} CPU-minutes (target 30)."
-        )
+        s = rows[f"{domain}-scratch"][domain]
+        for kind in ("transfer", "transfer-general"):
+            if f"{domain}-{kind}" not in rows:
+                continue
+            t = rows[f"{domain}-{kind}"]
+            closed = (g - t[domain]) / (g - d) if g != d else float("nan")
+            lines.append(
+                f"- {domain}: {kind} {t[domain]:.2f} vs scratch {s:.2f} "
+                f"({'beats' if t[domain] < s else 'does not beat'} scratch); {kind} closes {closed:.1%} of the "
+                f"general -> dense gap ({g:.2f} -> {d:.2f}; target 75%) in {t['cpu_seconds'] / 60:.1f} CPU-minutes "
+                "(target 30)."
+            )
     sw = r["switching"]
     packed = [v for v in r["mask_states"].values() if v["state"] == "packed"]
     logits = [v for v in r["mask_states"].values() if v["state"] == "logits"]

@@ -29,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
         "--model", default="smollm2", help="'smollm2' (embedded, offline) or a folder / Hub id"
     )
     learn.add_argument(
-        "--prior", default="sparsegpt", help="magnitude | wanda | sparsegpt | none | saved mask"
+        "--prior",
+        nargs="+",
+        default=["sparsegpt"],
+        help="magnitude | wanda | sparsegpt | none | saved mask folder or repo id; several add their prior "
+        "terms (transfer to a domain: --prior <general mask> sparsegpt)",
     )
     learn.add_argument("--n", type=int, default=2)
     learn.add_argument("--m", type=int, default=4)
@@ -140,7 +144,7 @@ def learn(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     rows.append(("dense", _ppl(model, tokenizer, args), time.perf_counter() - t0))
 
-    prior = None if args.prior == "none" else args.prior
+    prior = None if args.prior == ["none"] else args.prior
     config = MaskConfig(
         n=args.n,
         m=args.m,
@@ -151,7 +155,7 @@ def learn(args: argparse.Namespace) -> dict:
     )
     t0 = time.perf_counter()
     calibration = None
-    if prior in ("wanda", "sparsegpt"):
+    if prior is not None and {"wanda", "sparsegpt"} & set(prior):
         calibration = calibration_tokens(
             args.train_data,
             tokenizer,
@@ -162,7 +166,7 @@ def learn(args: argparse.Namespace) -> dict:
     mask_model = get_mask_model(model, config, calibration_data=calibration, mask_name=args.mask_name)
     prior_time = time.perf_counter() - t0
     mask_model.eval()
-    rows.append((f"prior ({args.prior})", _ppl(mask_model, tokenizer, args), prior_time))
+    rows.append((f"prior ({' + '.join(args.prior)})", _ppl(mask_model, tokenizer, args), prior_time))
 
     train = causal_lm_dataset(args.train_data, tokenizer, seqlen=args.seqlen)
     t0 = time.perf_counter()
@@ -190,7 +194,7 @@ def learn(args: argparse.Namespace) -> dict:
 
     mask_model.training_summary.update(
         {f"heldout_ppl_{k}": round(v, 3) for k, v in rows[-1][1].items()}
-        | {"training_tokens": tokens, "prior": args.prior}
+        | {"training_tokens": tokens, "prior": " + ".join(args.prior)}
     )
     mask_model.save_pretrained(out / "mask", save_logits=args.save_logits)
     print(f"\nmask {args.mask_name!r} saved to {mask_folder(out / 'mask', args.mask_name)}")

@@ -481,6 +481,61 @@ def test_saved_mask_as_prior_gives_identical_initial_masks(tmp_path):
         assert not torch.equal(fresh.hard_masks()[name], saved[name])  # not true by chance
 
 
+def test_combined_prior_adds_the_terms_and_leaves_disagreements_to_learning(tmp_path):
+    """prior=[saved mask, "magnitude"]: the rule's terms add; where the two agree their candidate leads by
+    6 sigma, where they disagree the init noise picks among the candidates they favour equally."""
+    from hf_maskllm.priors import compute_prior_masks
+
+    source, _ = _build(tiny_llama, {"init_std": 1.0, "seed": 3})
+    source.save_pretrained(tmp_path / "general")
+    general = source.hard_masks()
+    kwargs = {"seed": 11, "logits_dtype": "float32"}
+    combined = get_mask_model(
+        tiny_llama(seed=5), MaskConfig(prior=[str(tmp_path / "general"), "magnitude"], **kwargs)
+    )
+    fresh = get_mask_model(tiny_llama(seed=5), MaskConfig(**kwargs))
+    assert combined.mask_config.prior == [str(tmp_path / "general"), "magnitude"]
+    magnitude = compute_prior_masks(tiny_llama(seed=5), "magnitude", 2, 4, combined.masked_names)
+    cand = candidate_patterns(2, 4)
+    agree_groups = disagree_groups = best_groups = 0
+    for name, layer in combined.masked_layers().items():
+        init = fresh.masked_layers()[name].mask_logits.detach()
+        overlaps = [k.reshape(-1, 4).float() @ cand.t() for k in (general[name], magnitude[name])]
+        expected = init + 3.0 * init.std() * sum(o - 1 for o in overlaps)
+        torch.testing.assert_close(layer.mask_logits.detach(), expected, rtol=0, atol=1e-6)  # no fix-up
+        total = overlaps[0] + overlaps[1]
+        hard = layer.hard_mask().reshape(-1, 4).float() @ cand.t()
+        agree = (overlaps[0] == 2) & (overlaps[1] == 2)
+        agree_rows = agree.any(dim=1)
+        assert bool((hard[agree_rows] == 2).eq(agree[agree_rows]).all())  # agreement: that candidate
+        chosen = total.gather(1, (hard == 2).float().argmax(dim=1, keepdim=True)).squeeze(1)
+        best = (chosen == total.max(dim=1).values)[~agree_rows]
+        agree_groups += int(agree_rows.sum())
+        disagree_groups += int((~agree_rows).sum())
+        best_groups += int(best.sum())
+    # disagreement: one of the candidates the two favour most, except where the noise beats 3 sigma
+    assert agree_groups > 100 and disagree_groups > 100
+    assert best_groups > 0.9 * disagree_groups
+
+
+def test_combined_prior_config_round_trips_and_names_a_bad_source(tmp_path):
+    from hf_maskllm.errors import ConfigError
+
+    source, _ = _build(tiny_llama, {"seed": 3})
+    source.save_pretrained(tmp_path / "general")
+    prior = [str(tmp_path / "general"), "magnitude"]
+    mm = get_mask_model(tiny_llama(seed=5), MaskConfig(prior=prior))
+    mm.save_pretrained(tmp_path / "out")
+    assert MaskConfig.from_pretrained(tmp_path / "out").prior == prior
+    assert f"{prior[0]} + magnitude" in (tmp_path / "out" / "README.md").read_text()
+    assert MaskConfig(prior=("magnitude",)).prior == "magnitude"  # a one-element list is that prior
+    for bad in ([], ["magnitude", "magnitude"], ["magnitude", 3]):
+        with pytest.raises(ConfigError, match="distinct"):
+            MaskConfig(prior=bad)
+    with pytest.raises(ConfigError, match=r"Did you mean prior='sparsegpt'\?"):
+        get_mask_model(tiny_llama(seed=5), MaskConfig(prior=[prior[0], "sparsegtp"]))
+
+
 def test_print_trainable_parameters(capsys):
     mm, _ = _build(tiny_llama, {"target_modules": ["q_proj", "v_proj"]})
     mm.print_trainable_parameters()

@@ -73,16 +73,24 @@ def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path):
         json.dumps({"text": line}) for line in open(json.__file__, encoding="utf-8").read().split("\n\n")
     ]
     domain.write_text("\n".join(texts), encoding="utf-8")
-    args = ["--prior", str(general / "mask"), "--train-data", str(domain), "--mask-name", "json-code"]
+    # the recommended transfer: the general mask and a one-shot mask of the domain together as the prior
+    args = [
+        "--prior",
+        str(general / "mask"),
+        "magnitude",
+        "--train-data",
+        str(domain),
+        "--mask-name",
+        "json-code",
+    ]
     main(["learn", *args, "--steps", "1", "--eval-windows", "1", "--eval-seqlen", "64", "--seqlen", "64"]
          + ["--no-merged", "--output", str(tmp_path / "task")])  # fmt: skip
     assert (tmp_path / "task" / "mask" / "json-code" / "mask_config.json").is_file()
     model, _ = load_smollm2()
     served = MaskModel.from_pretrained(model, general / "mask", mask_name="general")
     served.load_mask(tmp_path / "task" / "mask" / "json-code", mask_name="json-code")
-    assert served.mask_configs["json-code"].prior == str(general / "mask")
+    assert served.mask_configs["json-code"].prior == [str(general / "mask"), "magnitude"]
     assert served.training_summary["optimizer_steps"] == 1  # the general mask's run
     served.set_mask("json-code")
-    assert served.training_summary["optimizer_steps"] == 1 and served.training_summary["prior"] == str(
-        general / "mask"
-    )
+    assert served.training_summary["optimizer_steps"] == 1
+    assert served.training_summary["prior"] == f"{general / 'mask'} + magnitude"

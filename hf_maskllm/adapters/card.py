@@ -24,7 +24,7 @@ def mask_model_card(
     num_weights: int,
     bits_per_weight: float,
     targets: str | list[str],
-    prior: str | None,
+    prior: str | list[str] | None,
     summary: dict[str, Any],
     mask_name: str = "default",
 ) -> str:
@@ -47,7 +47,7 @@ def mask_model_card(
         f"| pattern | {n}:{m} (keep {n} of every {m} consecutive input weights) |",
         f"| masked layers | {num_layers} ({num_weights:,} weights) |",
         f"| targets | `{targets}` |",
-        f"| prior | {prior or 'none (random logits)'} |",
+        f"| prior | {(' + '.join(prior) if isinstance(prior, list) else prior) or 'none (random logits)'} |",
         f"| storage | {bits_per_weight:.3f} bits per masked weight |",
     ]
     for key in sorted(summary):

@@ -40,8 +40,12 @@ class MaskConfig:
         kappa_schedule: Same choices, for kappa.
         hard: Straight-through hard samples instead of soft ones (the paper found soft better).
         prior: One-shot prior: ``"magnitude"``, ``"wanda"``, ``"sparsegpt"``, a folder or Hub repo id
-            of a saved mask (transfer learning), or ``None`` for random logits.
-        prior_strength: ``alpha`` of the prior rule ``logits += alpha * std * (overlap - n/2)``.
+            of a saved mask (transfer learning), or ``None`` for random logits. A list of these adds
+            their prior terms: ``[general_mask_folder, "sparsegpt"]`` starts a domain mask where the
+            general mask and the domain's one-shot mask agree, and leaves the groups where they
+            disagree to learning (see docs/downstream.md).
+        prior_strength: ``alpha`` of the prior rule ``logits += alpha * std * (overlap - n/2)``
+            (per prior, for a list).
         calibration_samples: Sequences used by data-driven priors.
         calibration_seqlen: Tokens per calibration sequence.
         sparse_reg: ``lambda`` of the sparse weight regulariser, decaying linearly to 0.
@@ -68,8 +72,11 @@ class MaskConfig:
     tau_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
     kappa_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
     hard: bool = field(default=False, metadata={"help": "Straight-through hard Gumbel samples."})
-    prior: str | None = field(
-        default=None, metadata={"help": "magnitude | wanda | sparsegpt | saved mask folder / repo id | None"}
+    prior: str | list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "magnitude | wanda | sparsegpt | saved mask folder / repo id | a list of these | None"
+        },
     )
     prior_strength: float = field(default=3.0, metadata={"help": "alpha of the prior rule."})
     calibration_samples: int = field(
@@ -92,6 +99,10 @@ class MaskConfig:
             self.tau = tuple(self.tau)
         if isinstance(self.kappa, list):
             self.kappa = tuple(self.kappa)
+        if isinstance(self.prior, tuple):
+            self.prior = list(self.prior)
+        if isinstance(self.prior, list) and len(self.prior) == 1:
+            self.prior = self.prior[0]
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -117,9 +128,15 @@ class MaskConfig:
             raise ConfigError(f"`hard` must be True or False, got {self.hard!r}.")
         if not isinstance(self.strict, bool):
             raise ConfigError(f"`strict` must be True or False, got {self.strict!r}.")
-        if self.prior is not None and (not isinstance(self.prior, str) or not self.prior):
+        sources = self.prior if isinstance(self.prior, list) else [self.prior]
+        if self.prior is not None and (
+            not sources
+            or not all(isinstance(s, str) and s for s in sources)
+            or len(set(sources)) < len(sources)
+        ):
             raise ConfigError(
-                f"`prior` must be None, one of {PRIOR_METHODS}, or a saved mask folder / Hub repo id; got {self.prior!r}."
+                f"`prior` must be None, one of {PRIOR_METHODS}, a saved mask folder / Hub repo id, or a list of "
+                f"distinct such names; got {self.prior!r}."
             )
         for name, low in (("prior_strength", 0.0), ("sparse_reg", 0.0)):
             value = getattr(self, name)
@@ -147,26 +164,33 @@ class MaskConfig:
         """``C(m, n)``: the number of candidate patterns per group."""
         return num_candidates(self.n, self.m)
 
+    @property
+    def prior_sources(self) -> list[str]:
+        """``prior`` as a list: ``[]`` without a prior, one name, or the names of a combined prior."""
+        if self.prior is None:
+            return []
+        return list(self.prior) if isinstance(self.prior, list) else [self.prior]
+
     def check_prior_source(self) -> None:
         """Refuse a ``prior`` that names neither a method, an existing folder nor a Hub repo id.
 
         A bare name such as ``"sparsegtp"`` would otherwise be looked up on the Hub and fail with a
         network error that never lists the methods.
         """
-        prior = self.prior
-        if prior is None or prior in PRIOR_METHODS or "/" in prior or os.path.exists(prior):
-            return
-        close = difflib.get_close_matches(prior.lower(), PRIOR_METHODS, n=1, cutoff=0.6)
-        hint = f" Did you mean prior={close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"`prior`={prior!r} is not a one-shot method {PRIOR_METHODS}, an existing mask folder, or a Hub repo "
-            f"id ('owner/name').{hint}"
-        )
+        for prior in self.prior_sources:
+            if prior in PRIOR_METHODS or "/" in prior or os.path.exists(prior):
+                continue
+            close = difflib.get_close_matches(prior.lower(), PRIOR_METHODS, n=1, cutoff=0.6)
+            hint = f" Did you mean prior={close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"`prior`={prior!r} is not a one-shot method {PRIOR_METHODS}, an existing mask folder, or a Hub "
+                f"repo id ('owner/name').{hint}"
+            )
 
     @property
     def prior_is_method(self) -> bool:
-        """True when ``prior`` names a one-shot method rather than a saved mask."""
-        return self.prior in PRIOR_METHODS
+        """True when ``prior`` is a single one-shot method rather than a saved mask or a combination."""
+        return isinstance(self.prior, str) and self.prior in PRIOR_METHODS
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -281,30 +281,37 @@ class MaskModel(NamedMasksMixin, nn.Module):
 
     # ------------------------------------------------------------------ prior
     @torch.no_grad()
-    def apply_prior(self, masks: dict[str, torch.Tensor], strength: float | None = None) -> None:
+    def apply_prior(
+        self, masks: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], strength: float | None = None
+    ) -> None:
         """Initialise the active mask's logits from N:M masks (``[out, in]`` bool per layer name).
 
         ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (the paper's prior rule); the
-        initial hard mask then equals the prior exactly (``prior_init.prior_logits``).
+        initial hard mask then equals the prior exactly (``prior_init.prior_logits``). A list of such
+        dicts is a combined prior: the terms add, and where the masks disagree learning decides.
         """
         cfg = self.mask_config
         alpha = cfg.prior_strength if strength is None else float(strength)
         layers = self.masked_layers()
-        unknown = sorted(set(masks) - set(layers))
-        missing = sorted(set(layers) - set(masks))
-        if unknown or missing:
-            raise MaskFileError(
-                f"Prior masks do not match the masked layers: missing {missing[:3]}, unknown {unknown[:3]}. "
-                "A prior must cover exactly the layers selected by target_modules."
-            )
-        for name, layer in layers.items():
-            mask = masks[name].to(layer.mask_logits.device)
-            if tuple(mask.shape) != (layer.out_features, layer.in_features):
+        sources = masks if isinstance(masks, list) else [masks]
+        for source in sources:
+            unknown = sorted(set(source) - set(layers))
+            missing = sorted(set(layers) - set(source))
+            if unknown or missing:
                 raise MaskFileError(
-                    f"Prior mask for {name} has shape {tuple(mask.shape)}, the layer is "
-                    f"{(layer.out_features, layer.in_features)} ([out, in])."
+                    f"Prior masks do not match the masked layers: missing {missing[:3]}, unknown {unknown[:3]}. "
+                    "A prior must cover exactly the layers selected by target_modules."
                 )
-            layer.mask_logits.copy_(prior_logits(layer.mask_logits, mask, cfg.n, cfg.m, alpha, cfg.init_std))
+            for name, layer in layers.items():
+                if tuple(source[name].shape) != (layer.out_features, layer.in_features):
+                    raise MaskFileError(
+                        f"Prior mask for {name} has shape {tuple(source[name].shape)}, the layer is "
+                        f"{(layer.out_features, layer.in_features)} ([out, in])."
+                    )
+        for name, layer in layers.items():
+            layer_masks = [source[name].to(layer.mask_logits.device) for source in sources]
+            prior = layer_masks if isinstance(masks, list) else layer_masks[0]
+            layer.mask_logits.copy_(prior_logits(layer.mask_logits, prior, cfg.n, cfg.m, alpha, cfg.init_std))
 
     # ------------------------------------------------------------------ save / load / share
     def save_pretrained(
@@ -364,7 +371,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
             fields["mask"] = self._active
         fields["how the mask was learned"] = (
             f"MaskLLM (hf_maskllm): learnable {cfg.n}:{cfg.m} masks sampled with Gumbel softmax, weights frozen; "
-            f"prior: {cfg.prior or 'none'}"
+            f"prior: {' + '.join(cfg.prior_sources) or 'none'}"
         )
         fields.update({key.replace("_", " "): value for key, value in sorted(self.training_summary.items())})
         return fields

@@ -146,10 +146,11 @@ class NamedMasksMixin:
         devices = {name: layer.mask_logits.device for name, layer in layers.items()}
         logits = random_logits(config, shapes, devices)
         if masks is not None:
-            for name, layer_mask in masks.items():
+            for name in logits:
+                layer_masks = [source[name].to(devices[name]) for source in masks]
                 logits[name] = prior_logits(
-                    logits[name], layer_mask.to(devices[name]), config.n, config.m, config.prior_strength,
-                    config.init_std,
+                    logits[name], layer_masks if len(layer_masks) > 1 else layer_masks[0], config.n, config.m,
+                    config.prior_strength, config.init_std,
                 )  # fmt: skip
         self._masks[mask_name] = NamedMask(
             config,

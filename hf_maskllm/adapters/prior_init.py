@@ -16,7 +16,7 @@ from ..errors import ConfigError, MaskFileError
 from ..modules import dense_weight_view
 from ..patterns import candidate_patterns, mask_to_indices
 from ..serialization import resolve_folder
-from .config import CONFIG_NAME, MaskConfig
+from .config import CONFIG_NAME, PRIOR_METHODS, MaskConfig
 from .mask_file import MASKS_NAME, load_mask_config, read_masks
 
 __all__ = ["TORCH_DTYPES", "hard_logits", "prior_logits", "prior_masks", "random_logits", "saved_mask_prior"]
@@ -40,20 +40,36 @@ def random_logits(
 
 @torch.no_grad()
 def prior_logits(
-    logits: torch.Tensor, mask: torch.Tensor, n: int, m: int, alpha: float, init_std: float
+    logits: torch.Tensor,
+    mask: torch.Tensor | list[torch.Tensor],
+    n: int,
+    m: int,
+    alpha: float,
+    init_std: float,
 ) -> torch.Tensor:
     """``logits + alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (the paper's prior rule), same dtype.
 
     The prior's candidate then leads every group; where the random init noise would still beat it
     (a few percent of groups at alpha = 3), its logit is raised just above the group's maximum, so
     the hard mask of the result equals ``mask`` exactly (also after rounding to 16-bit logits).
+
+    ``mask`` may be a list of masks (a combined prior): their terms add. A group where they all
+    agree then leads by ``len(mask) * alpha`` standard deviations; where they disagree, the
+    candidates they favour tie and the init noise picks the starting one, so learning decides.
     """
-    prior_idx = mask_to_indices(mask.bool(), n, m)  # validates exact N:M
+    masks = mask if isinstance(mask, list) else [mask]
+    if not masks:
+        raise ValueError("prior_logits needs at least one mask.")
     out = logits.float()
     cand = candidate_patterns(n, m, device=out.device)
-    overlap = mask.reshape(-1, m).float() @ cand.t()  # [G, C]
     std = out.std() if out.numel() > 1 else out.new_tensor(init_std)
-    out += alpha * std * (overlap - n / 2)
+    prior_idx = [mask_to_indices(k.bool(), n, m) for k in masks]  # validates exact N:M
+    for k in masks:
+        overlap = k.reshape(-1, m).float() @ cand.t()  # [G, C]
+        out += alpha * std * (overlap - n / 2)
+    if len(masks) > 1:
+        return out.to(logits.dtype)
+    prior_idx = prior_idx[0]
     lead = out.gather(1, prior_idx[:, None]).squeeze(1)
     best = out.max(dim=1).values
     losers = out.argmax(dim=1) != prior_idx
@@ -81,30 +97,36 @@ def prior_masks(
     targets: list[str],
     calibration_data: Any = None,
     tokenizer: Any = None,
-) -> dict[str, torch.Tensor] | None:
-    """``{layer: [out, in] bool}`` N:M masks of ``config.prior`` for ``targets`` of the (dense) ``model``.
+) -> list[dict[str, torch.Tensor]] | None:
+    """``[{layer: [out, in] bool}]``: the N:M masks of each source of ``config.prior`` for ``targets``.
 
-    ``None`` without a prior. A one-shot method calibrates on ``calibration_data``; a saved mask
-    (folder or Hub repo id) gives its hard masks: the transfer-learning path.
+    ``None`` without a prior; one dict per source otherwise (one for a single prior). A one-shot method
+    calibrates on the (dense) ``model`` with ``calibration_data``; a saved mask (folder or Hub repo id)
+    gives its hard masks: the transfer-learning path.
     """
     config.check_prior_source()
-    if config.prior is None:
+    sources = config.prior_sources
+    if not sources:
         return None
-    if config.prior_is_method:
-        from ..priors import compute_prior_masks
+    out = []
+    for source in sources:
+        if source in PRIOR_METHODS:
+            from ..priors import compute_prior_masks
 
-        tokens = _calibration_tokens(config, calibration_data, tokenizer)
-        return compute_prior_masks(model, config.prior, config.n, config.m, targets, calibration=tokens)
-    shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
-    return saved_mask_prior(config, shapes)
+            tokens = _calibration_tokens(config, source, calibration_data, tokenizer)
+            out.append(compute_prior_masks(model, source, config.n, config.m, targets, calibration=tokens))
+        else:
+            shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
+            out.append(saved_mask_prior(config, shapes, source))
+    return out
 
 
-def _calibration_tokens(config: MaskConfig, data: Any, tokenizer: Any) -> torch.Tensor | None:
-    if config.prior == "magnitude":
+def _calibration_tokens(config: MaskConfig, method: str, data: Any, tokenizer: Any) -> torch.Tensor | None:
+    if method == "magnitude":
         return None
     if data is None:
         raise ConfigError(
-            f"prior={config.prior!r} needs calibration data: pass calibration_data= (token ids [S, L], or texts / a "
+            f"prior={method!r} needs calibration data: pass calibration_data= (token ids [S, L], or texts / a "
             "dataset together with tokenizer=), or use prior='magnitude'."
         )
     if isinstance(data, torch.Tensor):
@@ -126,15 +148,18 @@ def _calibration_tokens(config: MaskConfig, data: Any, tokenizer: Any) -> torch.
     )
 
 
-def saved_mask_prior(config: MaskConfig, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
-    """Hard masks of the saved mask ``config.prior`` (folder or repo id) for the layers in ``shapes``."""
+def saved_mask_prior(
+    config: MaskConfig, shapes: dict[str, tuple[int, int]], source: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Hard masks of the saved mask ``source`` (folder or repo id; default ``config.prior``) for ``shapes``."""
+    source = config.prior if source is None else source
     folder = resolve_folder(
-        config.prior, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
+        source, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
     )
     saved = load_mask_config(folder)
     if (saved.n, saved.m) != (config.n, config.m):
         raise MaskFileError(
-            f"Prior mask {config.prior!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
+            f"Prior mask {source!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
             "use the same N:M."
         )
     indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
