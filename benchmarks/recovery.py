@@ -1,6 +1,7 @@
 """Recovering quality after 2:4 pruning on SmolLM2-135M, keeping the mask: reconstruction, LoRA, direct training.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py [--learn-steps 40] [--steps 150]
+        [--rows lora,direct,reconstruction-direct] [--bf16] [--direct-lr 1e-4]
 
 One run, one mask. The mask is learned here by the main job's recipe (a SparseGPT prior calibrated on
 ``wikipedia:train``, then ``learn_mask`` for ``--learn-steps`` steps), so every path's wall time counts
@@ -57,12 +58,29 @@ def main() -> None:
     p.add_argument("--direct-lr", type=float, default=1e-4)
     p.add_argument("--calib-samples", type=int, default=32)
     p.add_argument("--calib-seqlen", type=int, default=512)
+    p.add_argument(
+        "--recon-samples",
+        type=int,
+        default=None,
+        help="calibration sequences of reconstruction (default: --calib-samples)",
+    )
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--eval-seqlen", type=int, default=512)
+    p.add_argument(
+        "--rows",
+        default="lora,direct,reconstruction-direct",
+        help="training rows to run (comma-separated): lora, direct, reconstruction-direct",
+    )
+    p.add_argument(
+        "--bf16", action="store_true", help="train the LoRA / direct rows under bf16 autocast (fp32 weights)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "recovery"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    train_rows = set(args.rows.split(",")) if args.rows else set()
+    if train_rows - {"lora", "direct", "reconstruction-direct"}:
+        p.error(f"--rows: unknown rows {sorted(train_rows - {'lora', 'direct', 'reconstruction-direct'})}")
 
     import peft
     import transformers
@@ -116,6 +134,7 @@ def main() -> None:
             learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
             weight_decay=0.0, logging_steps=max(1, args.steps // 5), save_strategy="no", report_to="none",
             use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0, seed=0,
+            bf16=args.bf16,
         )  # fmt: skip
         model.train()
         trainer = Trainer(model=model, args=training_args, train_dataset=train)
@@ -191,7 +210,14 @@ def main() -> None:
 
     start = time.perf_counter()
     model = fresh()
-    reconstruct(model, calib, masks=masks, batch_size=8, progress=False)
+    recon_calib = (
+        calib
+        if args.recon_samples is None
+        else calibration_tokens(
+            "wikipedia:train", tokenizer, num_samples=args.recon_samples, seqlen=args.calib_seqlen, seed=0
+        )
+    )
+    reconstruct(model, recon_calib, masks=masks, batch_size=8, progress=False)
     recon_seconds = time.perf_counter() - start
     assert_nm(model, "+ reconstruction")
     if any(bool(((model.get_submodule(n).weight != 0) & ~masks[n]).any()) for n in names):
@@ -200,24 +226,33 @@ def main() -> None:
     save_compressed(model, tmp / "reconstructed")
 
     # ---- LoRA on the loaded compressed model (PEFT's own get_peft_model / merge_and_unload)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp / "mask_only")
-    config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
-    peft_model = get_peft_model(loaded, config)
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    trainer, seconds = fit(peft_model, args.lora_lr, "lora")
-    state = state_per_weight(peft_model, trainer)
-    merged = peft_model.merge_and_unload()
-    assert_nm(merged, "+ LoRA")
-    record(
-        f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})", merged, seconds, mask_seconds + seconds,
-        trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
-    )  # fmt: skip
+    if "lora" in train_rows:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp / "mask_only")
+        config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
+        peft_model = get_peft_model(loaded, config)
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        trainer, seconds = fit(peft_model, args.lora_lr, "lora")
+        state = state_per_weight(peft_model, trainer)
+        merged = peft_model.merge_and_unload()
+        assert_nm(merged, "+ LoRA")
+        record(
+            f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})", merged, seconds, mask_seconds + seconds,
+            trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
+        )  # fmt: skip
 
     # ---- direct sparse training of the kept weights
-    for start_from, label, before in (
-        ("mask_only", "+ direct sparse training", mask_seconds),
-        ("reconstructed", "+ reconstruction + direct training", mask_seconds + recon_seconds),
-    ):
+    direct_rows = (
+        ("mask_only", "+ direct sparse training", mask_seconds, "direct"),
+        (
+            "reconstructed",
+            "+ reconstruction + direct training",
+            mask_seconds + recon_seconds,
+            "reconstruction-direct",
+        ),
+    )
+    for start_from, label, before, key in direct_rows:
+        if key not in train_rows:
+            continue
         loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
         for param in loaded.parameters():
             param.requires_grad_(False)
@@ -260,7 +295,7 @@ def main() -> None:
     Path(args.out + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     best = max((name for name in rows if name != "dense"), key=lambda name: gap["wikipedia"][name])
     lines = [
-        "# Recovery after 2:4 pruning, keeping the mask (SmolLM2-135M-Instruct, fp32, CPU)",
+        "# Recovery after 2:4 pruning, keeping the mask (SmolLM2-135M-Instruct, fp32 weights, CPU)",
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}; {meta['machine']}; "
@@ -269,8 +304,15 @@ def main() -> None:
         f"Mask: {mask_name}, every decoder linear ({len(names)} layers, {masked_weights:,} weights). "
         f"Held-out perplexity, {args.eval_windows} x {args.eval_seqlen} tokens per corpus. Training rows: "
         f"{args.steps} steps x {args.batch_size} x {args.seqlen} = {tokens:,} Wikipedia training tokens each, "
-        "AdamW, cosine schedule, no tuning. Reconstruction and SparseGPT calibration: "
-        f"{args.calib_samples} x {args.calib_seqlen} tokens. Every row below `dense` is exactly 2:4 (checked). "
+        f"AdamW, cosine schedule, {'bf16 autocast' if args.bf16 else 'fp32'}, no tuning. Reconstruction and "
+        "SparseGPT calibration: "
+        f"{args.calib_samples} x {args.calib_seqlen} tokens"
+        + (
+            ""
+            if args.recon_samples is None
+            else f" ({args.recon_samples} x {args.calib_seqlen} for reconstruction)"
+        )
+        + ". Every row below `dense` is exactly 2:4 (checked). "
         "Gap closed: of the gap between the SparseGPT mask only and dense. Path time: wall seconds from the "
         "dense model to the row (prior and mask learning included, evaluation excluded); step: the row's own step.",
         "",

@@ -33,7 +33,8 @@ def get_mask_model(
     ``config.prior`` selects the initial logits: a one-shot method (``"magnitude"``; ``"wanda"``
     and ``"sparsegpt"`` need ``calibration_data``: token ids ``[S, L]``, or texts / a dataset with
     ``tokenizer``), a saved mask folder / Hub repo id (transfer learning), or a list of these (their
-    prior terms add). ``mask_name`` names this first mask; add more with :meth:`MaskModel.add_mask` / :meth:`MaskModel.load_mask`.
+    prior terms add). ``mask_name`` names this first mask; add more with :meth:`MaskModel.add_mask` /
+    :meth:`MaskModel.load_mask`.
     """
     config = MaskConfig() if config is None else config
     if not isinstance(config, MaskConfig):
