@@ -310,8 +310,9 @@ class MaskModel(NamedMasksMixin, nn.Module):
                     )
         for name, layer in layers.items():
             layer_masks = [source[name].to(layer.mask_logits.device) for source in sources]
-            prior = layer_masks if isinstance(masks, list) else layer_masks[0]
-            layer.mask_logits.copy_(prior_logits(layer.mask_logits, prior, cfg.n, cfg.m, alpha, cfg.init_std))
+            layer.mask_logits.copy_(
+                prior_logits(layer.mask_logits, layer_masks, cfg.n, cfg.m, alpha, cfg.init_std)
+            )
 
     # ------------------------------------------------------------------ save / load / share
     def save_pretrained(

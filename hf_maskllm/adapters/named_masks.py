@@ -149,8 +149,7 @@ class NamedMasksMixin:
             for name in logits:
                 layer_masks = [source[name].to(devices[name]) for source in masks]
                 logits[name] = prior_logits(
-                    logits[name], layer_masks if len(layer_masks) > 1 else layer_masks[0], config.n, config.m,
-                    config.prior_strength, config.init_std,
+                    logits[name], layer_masks, config.n, config.m, config.prior_strength, config.init_std,
                 )  # fmt: skip
         self._masks[mask_name] = NamedMask(
             config,
