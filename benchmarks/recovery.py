@@ -1,7 +1,7 @@
 """Recovering quality after 2:4 pruning on SmolLM2-135M, keeping the mask: reconstruction, LoRA, direct training.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py [--learn-steps 40] [--steps 150]
-        [--rows lora,direct,reconstruction-direct] [--bf16] [--direct-lr 1e-4]
+        [--rows lora,direct,reconstruction-direct] [--bf16] [--direct-lr 1e-4] [--jobs 1]
 
 One run, one mask. The mask is learned here by the main job's recipe (a SparseGPT prior calibrated on
 ``wikipedia:train``, then ``learn_mask`` for ``--learn-steps`` steps), so every path's wall time counts
@@ -24,23 +24,126 @@ Every row below ``dense`` is checked to be exactly 2:4 before it is scored. Trai
 training holds across steps (``hf_maskllm.memory.training_state_bytes``: gradients, optimizer state,
 callback state, and trainable tensors that are not model weights: logits, LoRA factors) per masked
 weight. Path time: wall seconds from the dense model to that row (prior, mask learning,
-reconstruction, training), evaluation excluded. Writes ``benchmarks/results/recovery.md`` and ``.json``.
+reconstruction, training), evaluation excluded. ``--jobs 2`` trains the rows in two processes at once
+(one thread each), so a row's time is measured beside another row's training: slower, never faster,
+than alone. Writes ``benchmarks/results/recovery.md`` and ``.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _ppl(model, tokenizer, args) -> dict[str, float]:
+    from hf_maskllm.perplexity import evaluate_perplexity
+
+    model.eval()
+    return {
+        corpus: evaluate_perplexity(
+            model, tokenizer, f"{corpus}:heldout", seqlen=args.eval_seqlen,
+            max_windows=args.eval_windows, progress=False,
+        )
+        for corpus in ("wikipedia", "news")
+    }  # fmt: skip
+
+
+def _state_per_weight(model, trainer, masked_weights: int, weights_train: bool = False) -> float:
+    from hf_maskllm.memory import training_state_bytes
+
+    sizes = training_state_bytes(model, trainer.optimizer, trainer.callback_handler.callbacks)
+    held = sizes["total"] - (sizes["params"] if weights_train else 0)  # trained weights are the model
+    return round(held / masked_weights, 2)
+
+
+def _assert_nm(model, what: str, layers: int) -> None:
+    from hf_maskllm import check_nm
+
+    report = check_nm(model, 2, 4)
+    if not report.ok or len(report.layers) != layers:
+        raise SystemExit(f"{what}: not exactly 2:4 on {layers} layers: {report}")
+
+
+def _fit(model, train, lr: float, name: str, args, tmp: Path):
+    from transformers import Trainer, TrainingArguments
+
+    start = time.perf_counter()
+    training_args = TrainingArguments(
+        output_dir=str(tmp / name), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
+        weight_decay=0.0, logging_steps=max(1, args.steps // 5), save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        bf16=args.bf16,
+    )  # fmt: skip
+    model.train()
+    trainer = Trainer(model=model, args=training_args, train_dataset=train)
+    trainer.train()
+    return trainer, time.perf_counter() - start
+
+
+def _train_row(
+    key: str, args, tmp: Path, before: float, layers: int, masked_weights: int
+) -> tuple[str, dict]:
+    """Train one row from its saved compressed start, check it is 2:4 and score it (run in a worker)."""
+    torch.set_num_threads(args.threads)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_maskllm.data import causal_lm_dataset
+    from hf_maskllm.embedded import load_smollm2
+    from hf_maskllm.sparse import SparseLinear
+
+    tokenizer = load_smollm2()[1]
+    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
+    tokens = args.steps * args.batch_size * args.seqlen
+    start_from = "reconstructed" if key == "reconstruction-direct" else "mask_only"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
+    if key == "lora":  # PEFT's own get_peft_model / merge_and_unload on the loaded compressed model
+        config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
+        peft_model = get_peft_model(loaded, config)
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        trainer, seconds = _fit(peft_model, train, args.lora_lr, key, args, tmp)
+        state = _state_per_weight(peft_model, trainer, masked_weights)
+        model = peft_model.merge_and_unload()
+        label = f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})"
+    else:  # direct sparse training of the kept weights, everything else frozen
+        for param in loaded.parameters():
+            param.requires_grad_(False)
+        for module in loaded.modules():
+            if isinstance(module, SparseLinear):
+                module.values.requires_grad_(True)
+        trainable = sum(p.numel() for p in loaded.parameters() if p.requires_grad)
+        trainer, seconds = _fit(loaded, train, args.direct_lr, key, args, tmp)
+        state = _state_per_weight(loaded, trainer, masked_weights, weights_train=True)
+        model = loaded
+        label = (
+            "+ reconstruction + direct training"
+            if key == "reconstruction-direct"
+            else "+ direct sparse training"
+        ) + f" (lr {args.direct_lr})"
+    _assert_nm(model, label, layers)
+    row = {"ppl": _ppl(model, tokenizer, args), "seconds": round(seconds, 1)}
+    row.update(
+        path_seconds=round(before + seconds, 1),
+        trainable=trainable,
+        tokens=tokens,
+        state_bytes_per_weight=state,
+    )
+    print(label, json.dumps(row), flush=True)
+    return label, row
 
 
 def main() -> None:
@@ -74,7 +177,8 @@ def main() -> None:
     p.add_argument(
         "--bf16", action="store_true", help="train the LoRA / direct rows under bf16 autocast (fp32 weights)"
     )
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--jobs", type=int, default=1, help="training rows run at once, in separate processes")
     p.add_argument("--out", default=str(RESULTS / "recovery"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,21 +188,17 @@ def main() -> None:
 
     import peft
     import transformers
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import hf_maskllm
-    from hf_maskllm import MaskConfig, MaskModel, check_nm, get_mask_model
+    from hf_maskllm import MaskConfig, MaskModel, get_mask_model
     from hf_maskllm.data import calibration_tokens, causal_lm_dataset
     from hf_maskllm.embedded import load_smollm2
     from hf_maskllm.learn import learn_mask
-    from hf_maskllm.memory import training_state_bytes
-    from hf_maskllm.perplexity import evaluate_perplexity
     from hf_maskllm.priors import compute_prior_masks, sparsegpt_prune
-    from hf_maskllm.sparse import SparseLinear, reconstruct, save_compressed
+    from hf_maskllm.sparse import reconstruct, save_compressed
 
     started = time.perf_counter()
-    cpu_started = time.process_time()
+    cpu_started = sum(os.times()[:4])  # this process and its finished workers
     tmp = Path(tempfile.mkdtemp(prefix="recovery_"))
     dense, tokenizer = load_smollm2()
     names = [n for n, mod in dense.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
@@ -112,44 +212,17 @@ def main() -> None:
     def fresh() -> torch.nn.Module:
         return load_smollm2()[0]
 
-    def ppl(model) -> dict[str, float]:
-        model.eval()
-        return {
-            corpus: evaluate_perplexity(
-                model, tokenizer, f"{corpus}:heldout", seqlen=args.eval_seqlen,
-                max_windows=args.eval_windows, progress=False,
-            )
-            for corpus in ("wikipedia", "news")
-        }  # fmt: skip
-
-    def state_per_weight(model, trainer, weights_train: bool = False) -> float:
-        sizes = training_state_bytes(model, trainer.optimizer, trainer.callback_handler.callbacks)
-        held = sizes["total"] - (sizes["params"] if weights_train else 0)  # trained weights are the model
-        return round(held / masked_weights, 2)
-
-    def fit(model, lr: float, name: str) -> tuple[Trainer, float]:
-        start = time.perf_counter()
-        training_args = TrainingArguments(
-            output_dir=str(tmp / name), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-            learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
-            weight_decay=0.0, logging_steps=max(1, args.steps // 5), save_strategy="no", report_to="none",
-            use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0, seed=0,
-            bf16=args.bf16,
-        )  # fmt: skip
-        model.train()
-        trainer = Trainer(model=model, args=training_args, train_dataset=train)
-        trainer.train()
-        return trainer, time.perf_counter() - start
-
     def assert_nm(model, what: str) -> None:
-        report = check_nm(model, 2, 4)
-        if not report.ok or len(report.layers) != len(names):
-            raise SystemExit(f"{what}: not exactly 2:4 on {len(names)} layers: {report}")
+        _assert_nm(model, what, len(names))
 
     rows: dict[str, dict] = {}
 
     def record(name: str, model, seconds: float, path_seconds: float, **extra) -> None:
-        rows[name] = {"ppl": ppl(model), "seconds": round(seconds, 1), "path_seconds": round(path_seconds, 1)}
+        rows[name] = {
+            "ppl": _ppl(model, tokenizer, args),
+            "seconds": round(seconds, 1),
+            "path_seconds": round(path_seconds, 1),
+        }
         rows[name].update(extra)
         print(name, json.dumps(rows[name]), flush=True)
 
@@ -172,7 +245,9 @@ def main() -> None:
             disable_tqdm=True,
         )  # fmt: skip
         mask_seconds = prior_seconds + time.perf_counter() - start
-        mask_state = state_per_weight(mm, trainer)  # before hard_masks(): eval mode caches the hard masks
+        mask_state = _state_per_weight(
+            mm, trainer, masked_weights
+        )  # before hard_masks(): eval mode caches the hard masks
         masks = mm.hard_masks()
         learn_tokens = args.learn_steps * args.batch_size * args.seqlen
         mask_name = f"learned: SparseGPT prior + {args.learn_steps} MaskLLM steps ({learn_tokens:,} tokens)"
@@ -225,48 +300,25 @@ def main() -> None:
     record("+ reconstruction", model, recon_seconds, mask_seconds + recon_seconds)
     save_compressed(model, tmp / "reconstructed")
 
-    # ---- LoRA on the loaded compressed model (PEFT's own get_peft_model / merge_and_unload)
-    if "lora" in train_rows:
-        loaded = AutoModelForCausalLM.from_pretrained(tmp / "mask_only")
-        config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
-        peft_model = get_peft_model(loaded, config)
-        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-        trainer, seconds = fit(peft_model, args.lora_lr, "lora")
-        state = state_per_weight(peft_model, trainer)
-        merged = peft_model.merge_and_unload()
-        assert_nm(merged, "+ LoRA")
-        record(
-            f"+ LoRA (r={args.lora_r}, lr {args.lora_lr})", merged, seconds, mask_seconds + seconds,
-            trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
-        )  # fmt: skip
-
-    # ---- direct sparse training of the kept weights
-    direct_rows = (
-        ("mask_only", "+ direct sparse training", mask_seconds, "direct"),
-        (
-            "reconstructed",
-            "+ reconstruction + direct training",
-            mask_seconds + recon_seconds,
-            "reconstruction-direct",
-        ),
-    )
-    for start_from, label, before, key in direct_rows:
-        if key not in train_rows:
-            continue
-        loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
-        for param in loaded.parameters():
-            param.requires_grad_(False)
-        for module in loaded.modules():
-            if isinstance(module, SparseLinear):
-                module.values.requires_grad_(True)
-        trainable = sum(p.numel() for p in loaded.parameters() if p.requires_grad)
-        trainer, seconds = fit(loaded, args.direct_lr, label.replace(" ", "_"))
-        state = state_per_weight(loaded, trainer, weights_train=True)
-        assert_nm(loaded, label)
-        record(
-            f"{label} (lr {args.direct_lr})", loaded, seconds, before + seconds,
-            trainable=trainable, tokens=tokens, state_bytes_per_weight=state,
-        )  # fmt: skip
+    # ---- the training rows, each from its saved compressed start, --jobs at a time
+    before = {
+        "lora": mask_seconds,
+        "direct": mask_seconds,
+        "reconstruction-direct": mask_seconds + recon_seconds,
+    }
+    order = [key for key in ("reconstruction-direct", "lora", "direct") if key in train_rows]
+    jobs = [(key, args, tmp, before[key], len(names), masked_weights) for key in order]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(
+            max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            trained = dict(pool.map(_train_row, *zip(*jobs)))
+    else:
+        trained = dict(_train_row(*job) for job in jobs)
+    labels = {key: label for key, label in zip(order, trained)}
+    for key in ("lora", "direct", "reconstruction-direct"):  # the table's order
+        if key in labels:
+            rows[labels[key]] = trained[labels[key]]
 
     gap = {
         corpus: {
@@ -279,7 +331,8 @@ def main() -> None:
         "command": "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py "
         + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), 2-core CPU machine",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s) per process, "
+        f"{args.jobs} training row(s) at once, {os.cpu_count()}-core CPU machine",
         "versions": {
             "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "hf_maskllm": hf_maskllm.__version__,
@@ -288,7 +341,7 @@ def main() -> None:
         "masked_weights": masked_weights,
         "args": vars(args),
         "seconds": round(time.perf_counter() - started, 1),
-        "cpu_seconds": round(time.process_time() - cpu_started, 1),
+        "cpu_seconds": round(sum(os.times()[:4]) - cpu_started, 1),
         "gap_closed_percent": gap,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
