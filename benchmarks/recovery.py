@@ -25,7 +25,7 @@ training holds across steps (``hf_maskllm.memory.training_state_bytes``: gradien
 callback state, and trainable tensors that are not model weights: logits, LoRA factors) per masked
 weight. Path time: wall seconds from the dense model to that row (prior, mask learning,
 reconstruction, training), evaluation excluded. ``--jobs 2`` trains the rows in two processes at once
-(one thread each), so a row's time is measured beside another row's training: slower, never faster,
+(``--threads`` each), so a row's time is measured beside another row's training: slower, never faster,
 than alone. Writes ``benchmarks/results/recovery.md`` and ``.json``.
 """
 
@@ -96,9 +96,11 @@ def _fit(model, train, lr: float, name: str, args, tmp: Path):
 
 def _train_row(
     key: str, args, tmp: Path, before: float, layers: int, masked_weights: int
-) -> tuple[str, dict]:
-    """Train one row from its saved compressed start, check it is 2:4 and score it (run in a worker)."""
+) -> tuple[str, str, dict]:
+    """Train one row from its saved compressed start, check it is 2:4 and score it: ``(key, label, row)``."""
     torch.set_num_threads(args.threads)
+    # LoRA's initialisation: the same whichever rows ran before, in this process or in a fresh worker
+    torch.manual_seed(0)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -143,7 +145,7 @@ def _train_row(
         state_bytes_per_weight=state,
     )
     print(label, json.dumps(row), flush=True)
-    return label, row
+    return key, label, row
 
 
 def main() -> None:
@@ -308,17 +310,18 @@ def main() -> None:
     }
     order = [key for key in ("reconstruction-direct", "lora", "direct") if key in train_rows]
     jobs = [(key, args, tmp, before[key], len(names), masked_weights) for key in order]
-    if args.jobs > 1:
+    at_once = max(1, min(args.jobs, len(order)))
+    if at_once > 1:
         with ProcessPoolExecutor(
-            max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")
+            max_workers=at_once, mp_context=multiprocessing.get_context("spawn")
         ) as pool:
-            trained = dict(pool.map(_train_row, *zip(*jobs)))
+            trained = {key: (label, row) for key, label, row in pool.map(_train_row, *zip(*jobs))}
     else:
-        trained = dict(_train_row(*job) for job in jobs)
-    labels = {key: label for key, label in zip(order, trained)}
+        trained = {key: (label, row) for key, label, row in (_train_row(*job) for job in jobs)}
     for key in ("lora", "direct", "reconstruction-direct"):  # the table's order
-        if key in labels:
-            rows[labels[key]] = trained[labels[key]]
+        if key in trained:
+            label, row = trained[key]
+            rows[label] = row
 
     gap = {
         corpus: {
@@ -332,7 +335,7 @@ def main() -> None:
         + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s) per process, "
-        f"{args.jobs} training row(s) at once, {os.cpu_count()}-core CPU machine",
+        f"{at_once} training row(s) at once, {os.cpu_count()}-core CPU machine",
         "versions": {
             "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "hf_maskllm": hf_maskllm.__version__,
@@ -367,7 +370,13 @@ def main() -> None:
         )
         + ". Every row below `dense` is exactly 2:4 (checked). "
         "Gap closed: of the gap between the SparseGPT mask only and dense. Path time: wall seconds from the "
-        "dense model to the row (prior and mask learning included, evaluation excluded); step: the row's own step.",
+        "dense model to the row (prior and mask learning included, evaluation excluded); step: the row's own step."
+        + (
+            f" The training rows ran {at_once} at a time in separate processes ({args.threads} thread(s) each; "
+            f"started in the order {', '.join(order)}): their times were measured beside another row's training."
+            if at_once > 1
+            else ""
+        ),
         "",
         "| row | wikipedia | news | gap closed (wiki / news) | trainable params | state B / masked weight | step | path time |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
