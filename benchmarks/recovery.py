@@ -61,6 +61,15 @@ def _ppl(model, tokenizer, args) -> dict[str, float]:
     }  # fmt: skip
 
 
+def _cpu_multiplies_bf16() -> bool | None:
+    """Whether this CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX); ``None``: unknown."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _state_per_weight(model, trainer, masked_weights: int, weights_train: bool = False) -> float:
     from hf_maskllm.memory import training_state_bytes
 
@@ -184,6 +193,13 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "recovery"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.bf16 and not torch.cuda.is_available() and _cpu_multiplies_bf16() is False:
+        print(
+            "warning: --bf16 on a CPU without AVX-512 BF16 or AMX: PyTorch emulates bf16 matmuls there and "
+            "training steps run many times slower than in float32; drop --bf16 on this machine.",
+            file=sys.stderr,
+            flush=True,
+        )
     train_rows = set(args.rows.split(",")) if args.rows else set()
     if train_rows - {"lora", "direct", "reconstruction-direct"}:
         p.error(f"--rows: unknown rows {sorted(train_rows - {'lora', 'direct', 'reconstruction-direct'})}")
@@ -335,7 +351,8 @@ def main() -> None:
         + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s) per process, "
-        f"{at_once} training row(s) at once, {os.cpu_count()}-core CPU machine",
+        f"{at_once} training row(s) at once, {os.cpu_count()}-core CPU machine "
+        f"({torch.backends.cpu.get_cpu_capability()} kernels)",
         "versions": {
             "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "hf_maskllm": hf_maskllm.__version__,
