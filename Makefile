@@ -8,6 +8,9 @@ TORCH_PKGS ?= torch==2.13.0 triton==3.7.1
 CONSTRAINTS ?=
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 FLOORS_VENV ?= .venv-floors
+# pytest-xdist workers (one per core by default); each test file runs whole in one worker.
+PYTEST_WORKERS ?= auto
+PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install run test test-floors style
 install: $(VENV)/.installed
@@ -28,13 +31,13 @@ run: install
 # The whole test suite (slow tests and the quickstart notebook included), offline.
 test: install
 	$(VENV)/bin/ruff check hf_maskllm tests benchmarks examples
-	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_PAR) $(PYTEST_ARGS)
 
 # The fast tests (not the slow ones, nor the notebook) on the oldest versions setup.cfg allows, in a venv of their own
 # (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too).
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
-	$(OFFLINE) TRITON_INTERPRET=1 $(FLOORS_VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) TRITON_INTERPRET=1 $(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 style: install
 	$(VENV)/bin/ruff check --fix hf_maskllm tests benchmarks examples
