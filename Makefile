@@ -8,10 +8,9 @@ TORCH_PKGS ?= torch==2.13.0 triton==3.7.1
 CONSTRAINTS ?=
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 FLOORS_VENV ?= .venv-floors
-# pytest-xdist workers (one per core by default); each test file runs whole in one worker, in the
-# order tests/conftest.py collects them (files with slow tests first).
+# pytest-xdist workers (one per core by default); each test file runs whole in one worker.
 PYTEST_WORKERS ?= auto
-PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install run test test-floors style
 install: $(VENV)/.installed

@@ -18,13 +18,6 @@ import pytest  # noqa: E402
 from hub_server import LocalHub, serve_local_hub  # noqa: E402
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow tests first, each file's own order kept: under pytest-xdist the long files start
-    first and the short ones fill the workers in at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 @pytest.fixture
 def local_hub(tmp_path) -> Iterator[LocalHub]:
     """A fresh, empty local Hub that huggingface_hub and transformers talk to online during the test."""
