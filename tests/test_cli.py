@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +18,30 @@ def test_cli_refuses_training_on_heldout_text(tmp_path):
         main(["learn", "--train-data", "wikipedia", "--output", str(tmp_path)])
 
 
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> tuple[Path, str]:
+    """One run of the main job (tiny budget): its output folder and what it printed."""
+    import contextlib
+    import io
+
+    from hf_maskllm.cli import main
+
+    out = tmp_path_factory.mktemp("main-job")
+    args = ["--prior", "magnitude", "--steps", "2", "--eval-windows", "1", "--eval-seqlen", "128"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["learn", *args, "--seqlen", "64", "--output", str(out)])
+    return out, printed.getvalue()
+
+
 @pytest.mark.slow
-def test_main_job_on_smollm2(tmp_path, capsys):
+def test_main_job_on_smollm2(main_job):
     from transformers import AutoModelForCausalLM
 
     from hf_maskllm import MaskModel, check_nm
-    from hf_maskllm.cli import main
     from hf_maskllm.embedded import load_smollm2
 
-    args = ["--prior", "magnitude", "--steps", "2", "--eval-windows", "1", "--eval-seqlen", "128"]
-    main(["learn", *args, "--seqlen", "64", "--output", str(tmp_path)])
-    printed = capsys.readouterr().out
+    tmp_path, printed = main_job
     assert "| dense" in printed and "| prior (magnitude)" in printed and "MaskLLM (256 tokens)" in printed
     results = json.loads((tmp_path / "results.json").read_text())
     ppl = results["perplexity"]
@@ -59,15 +73,13 @@ def test_cli_refuses_an_invalid_mask_name_before_loading(tmp_path):
 
 
 @pytest.mark.slow
-def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path):
+def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path, main_job):
     """`learn --prior <general mask> --train-data <domain file> --mask-name <name>` writes <output>/mask/<name>."""
     from hf_maskllm import MaskModel
     from hf_maskllm.cli import main
     from hf_maskllm.embedded import load_smollm2
 
-    general = tmp_path / "general"
-    main(["learn", "--prior", "magnitude", "--steps", "1", "--eval-windows", "1", "--eval-seqlen", "64"]
-         + ["--seqlen", "64", "--no-merged", "--output", str(general)])  # fmt: skip
+    general = main_job[0]  # the main job's mask is the general mask
     domain = tmp_path / "domain.jsonl"
     texts = [
         json.dumps({"text": line}) for line in open(json.__file__, encoding="utf-8").read().split("\n\n")
@@ -90,7 +102,7 @@ def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path):
     served = MaskModel.from_pretrained(model, general / "mask", mask_name="general")
     served.load_mask(tmp_path / "task" / "mask" / "json-code", mask_name="json-code")
     assert served.mask_configs["json-code"].prior == [str(general / "mask"), "magnitude"]
-    assert served.training_summary["optimizer_steps"] == 1  # the general mask's run
+    assert served.training_summary["optimizer_steps"] == 2  # the general mask's run
     served.set_mask("json-code")
     assert served.training_summary["optimizer_steps"] == 1
     assert served.training_summary["prior"] == f"{general / 'mask'} + magnitude"

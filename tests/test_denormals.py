@@ -101,8 +101,11 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
     )
 
 
-@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+# The compiled pass is the same code for every N:M; compiling it for 4:8 (70 candidates) takes over a minute
+# on a CPU, and tests/test_sampling.py checks compiled 3:8 against float64 already.
+@pytest.mark.parametrize(
+    "n,m,compiled", [(2, 4, False), (4, 8, False), pytest.param(2, 4, True, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("loss_scale", [1.0, 1e-6])  # 1e-6: gradients of a loss averaged over many tokens
 def test_fused_backward_flushes_logits_gradient(n, m, compiled, loss_scale):
     torch.manual_seed(1)

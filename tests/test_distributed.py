@@ -39,26 +39,13 @@ def _ddp(out: Path, *args: str) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_agree(tmp_path):
-    ranks = _ddp(tmp_path)
+def test_ddp_ranks_sample_their_own_noise_and_train_the_active_named_mask_only(tmp_path):
+    """DDP replicas agree on every mask, each rank samples its own masks, and only the active mask trains.
+
+    A single mask under DDP (torchrun and accelerate) is covered by the FSDP and MaskAdamW tests below."""
+    ranks = _ddp(tmp_path, "named")  # the replicas agree on both masks
     probes = [load_file(tmp_path / f"probe{r}.safetensors")["noise_probe"] for r in (0, 1)]
     assert not torch.equal(probes[0], probes[1])  # each rank samples its own masks
-    # and training moved the logits away from their (shared) initialisation
-    from models import tiny_llama
-
-    from hf_maskllm import MaskConfig, get_mask_model
-
-    init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
-    moved = [
-        not torch.equal(layer.mask_logits.detach(), ranks[0][f"{name}.logits"])
-        for name, layer in init.masked_layers().items()
-    ]
-    assert all(moved)
-
-
-@pytest.mark.slow
-def test_ddp_trains_the_active_named_mask_only(tmp_path):
-    ranks = _ddp(tmp_path, "named")  # the replicas agree on both masks
     assert bytes(ranks[0]["active"].tolist()) == b"task"
     from models import tiny_llama
 
@@ -115,16 +102,31 @@ def _stats(evidence: dict) -> list[tuple[int, float, float]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    """One FSDP2 run at the default settings (bf16 logits, MaskAdamW) under examples/accelerate_fsdp.yaml."""
+    out = tmp_path_factory.mktemp("fsdp")
+    _launch(out, config="accelerate_fsdp.yaml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    """The same run with DDP under examples/accelerate_ddp.yaml."""
+    out = tmp_path_factory.mktemp("ddp")
+    _launch(out, "--ddp", config="accelerate_ddp.yaml")
+    return out
+
+
 @pytest.mark.slow
-def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
+def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(fsdp_run, tmp_path):
     """FSDP2 as examples/accelerate_fsdp.yaml configures it (accelerate's plugin), 2 CPU processes."""
     from models import tiny_llama
 
     from hf_maskllm import MaskConfig, MaskModel, get_mask_model
     from hf_maskllm.patterns import candidate_patterns
 
-    _launch(tmp_path, config="accelerate_fsdp.yaml")
-    evidence = [json.loads((tmp_path / f"evidence{r}.json").read_text()) for r in (0, 1)]
+    evidence = [json.loads((fsdp_run / f"evidence{r}.json").read_text()) for r in (0, 1)]
     init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
     layers = init.masked_layers()
     for ev in evidence:
@@ -154,8 +156,8 @@ def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
 
     # (b) the mask saved from the gathered state dict loads in one process: its logits and hard masks are the
     # trained ones, as every process gathers them shard by shard
-    full = [load_file(tmp_path / f"full{r}.safetensors") for r in (0, 1)]
-    saved = MaskModel.from_pretrained(tiny_llama(seed=0), tmp_path / "mask")
+    full = [load_file(fsdp_run / f"full{r}.safetensors") for r in (0, 1)]
+    saved = MaskModel.from_pretrained(tiny_llama(seed=0), fsdp_run / "mask")
     saved_masks = saved.hard_masks()
     candidates = candidate_patterns(2, 4, dtype=torch.bool)
     for name, layer in layers.items():
@@ -173,7 +175,7 @@ def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
 
     # (c) the mask saved before the first step is the one a single process saves for the same config and prior
     init.save_pretrained(tmp_path / "single", save_logits=True)
-    folders = (tmp_path / "mask_step0", tmp_path / "single")
+    folders = (fsdp_run / "mask_step0", tmp_path / "single")
     assert (folders[0] / "mask_config.json").read_text() == (folders[1] / "mask_config.json").read_text()
     for file in ("mask_model.safetensors", "mask_logits.safetensors"):
         (fsdp_saved, metadata), (single_saved, single_metadata) = (_read(folder / file) for folder in folders)
@@ -182,34 +184,31 @@ def test_fsdp_shards_logits_with_their_layer_and_saves_the_full_mask(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_learns_the_same_mask_as_ddp(tmp_path):
-    """Same data, seeds and per-rank noise: FSDP2 (``TrainingArguments(fsdp=True, fsdp_config=...)``) and DDP
-    end with the same float32 logits, bit for bit."""
-    for mode in ("fsdp", "ddp"):
-        flags = ["--ddp"] if mode == "ddp" else []
-        _launch(tmp_path / mode, "--logits-dtype", "float32", *flags)
-    logits = {
-        mode: load_file(tmp_path / mode / "mask" / "mask_logits.safetensors") for mode in ("fsdp", "ddp")
-    }
-    initial = load_file(tmp_path / "ddp" / "mask_step0" / "mask_logits.safetensors")
+def test_fsdp_learns_the_same_mask_as_ddp(ddp_run, tmp_path):
+    """Same data, seeds and per-rank noise, default settings (bf16 logits, MaskAdamW): FSDP2 set up through
+    ``TrainingArguments(fsdp=True, fsdp_config=...)`` under torchrun ends with the same logits as DDP under
+    examples/accelerate_ddp.yaml, bit for bit."""
+    _launch(tmp_path / "fsdp")
+    runs = {"fsdp": tmp_path / "fsdp", "ddp": ddp_run}
+    logits = {mode: load_file(folder / "mask" / "mask_logits.safetensors") for mode, folder in runs.items()}
+    initial = load_file(ddp_run / "mask_step0" / "mask_logits.safetensors")
     assert logits["fsdp"].keys() == logits["ddp"].keys() == initial.keys()
     for name in initial:
         assert torch.equal(logits["fsdp"][name], logits["ddp"][name]), name
         assert not torch.equal(logits["ddp"][name], initial[name])
-    masks = {mode: load_file(tmp_path / mode / "mask" / "mask_model.safetensors") for mode in ("fsdp", "ddp")}
+    masks = {mode: load_file(folder / "mask" / "mask_model.safetensors") for mode, folder in runs.items()}
     assert all(torch.equal(masks["fsdp"][k], masks["ddp"][k]) for k in masks["ddp"])
-    stats = [_stats(json.loads((tmp_path / mode / "evidence0.json").read_text())) for mode in ("fsdp", "ddp")]
+    stats = [_stats(json.loads((folder / "evidence0.json").read_text())) for folder in runs.values()]
     assert [s[0] for s in stats[0]] == [s[0] for s in stats[1]]
     for fsdp_record, ddp_record in zip(*stats):
         assert fsdp_record == pytest.approx(ddp_record, rel=1e-6)
 
 
 @pytest.mark.slow
-def test_ddp_replicas_stay_identical_with_mask_adamw(tmp_path):
+def test_ddp_replicas_stay_identical_with_mask_adamw(ddp_run):
     """Default settings (bf16 logits, MaskAdamW) under examples/accelerate_ddp.yaml: replicas stay identical."""
-    _launch(tmp_path, "--ddp", config="accelerate_ddp.yaml")
-    replicas = [load_file(tmp_path / f"full{r}.safetensors") for r in (0, 1)]
-    initial = load_file(tmp_path / "mask_step0" / "mask_logits.safetensors")
+    replicas = [load_file(ddp_run / f"full{r}.safetensors") for r in (0, 1)]
+    initial = load_file(ddp_run / "mask_step0" / "mask_logits.safetensors")
     assert initial.keys() == {f"{name}.logits" for name in replicas[0]}
     for name in replicas[0]:
         assert not torch.equal(replicas[0][name], initial[f"{name}.logits"])

@@ -73,5 +73,6 @@ def test_smollm2_perplexity_on_heldout_wikipedia(smollm2):
     from hf_maskllm.perplexity import evaluate_perplexity
 
     model, tokenizer = smollm2
-    ppl = evaluate_perplexity(model, tokenizer, "wikipedia:heldout", seqlen=512, max_windows=16, batch_size=4)
-    assert 10 < ppl < 40, ppl  # measured 15.23 (docs/data_and_evaluation.md)
+    # 4 of the 16 windows the benchmarks score (15.23 on all 16: docs/data_and_evaluation.md)
+    ppl = evaluate_perplexity(model, tokenizer, "wikipedia:heldout", seqlen=512, max_windows=4, batch_size=4)
+    assert 10 < ppl < 40, ppl

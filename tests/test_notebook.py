@@ -17,6 +17,7 @@ pytest.importorskip("ipykernel", reason="the notebook test needs the `test` extr
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 KERNEL = "hf-maskllm-test"
+TEST_BUDGET = "CALIB_SAMPLES, STEPS, EVAL_WINDOWS = 4, 2, 2"
 
 
 def _kernelspec(folder: Path) -> None:
@@ -50,6 +51,11 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     workdir.mkdir()
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # Every cell runs as written, on a smaller budget: the budget cell's values are overridden right after it
+    # (as papermill injects parameters), since each learning step costs seconds on a CPU.
+    budget = [i for i, cell in enumerate(nb.cells) if "STEPS, BATCH, SEQLEN = " in cell.source]
+    assert len(budget) == 1, "the notebook has no single cell that sets STEPS, BATCH, SEQLEN"
+    nb.cells.insert(budget[0] + 1, nbformat.v4.new_code_cell(TEST_BUDGET))
     nb.cells.insert(0, nbformat.v4.new_code_cell("import sys\nprint(sys.executable)"))
 
     start = time.perf_counter()
@@ -67,6 +73,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+    assert "learned mask after 2 steps" in text  # the test's budget took effect
     for line in ("| dense ", "| Wanda prior ", "| MaskLLM (learned) ", "2:4 check:", "reloaded sparse model"):
         assert line in text, f"the notebook printed no {line!r}"
     assert any("image/png" in out.get("data", {}) for out in outputs), "the training curve was not plotted"
