@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument(
         "--switching-only",
         action="store_true",
-        help="only storage and switching (no learning): a few minutes",
+        help="only storage and switching (no learning): about a minute",
     )
     args = p.parse_args()
     out = Path(args.out_dir)
@@ -324,6 +324,9 @@ def switching_only(args: argparse.Namespace, out: Path, work: Path, started: str
     model, tokenizer = load_smollm2()
     mm = get_mask_model(model, MaskConfig(prior="magnitude"), mask_name="magnitude")
     mm.add_mask("random", MaskConfig(seed=1))
+    for name in ("random", "magnitude"):  # both in the layout training leaves logits in (MaskAnnealCallback)
+        mm.set_mask(name)
+        mm.set_candidate_major_logits(True)
     mm.save_pretrained(work / "masks", selected_masks=["magnitude"])
     ids = calibration_tokens("wikipedia:heldout", tokenizer, num_samples=1, seqlen=64, seed=args.seed)
     state, switching = measure_switching(mm, ["magnitude", "random"], work / "masks" / "magnitude", ids)
@@ -360,7 +363,8 @@ def _header(args: argparse.Namespace, started: str) -> dict:
             if v is not None and v is not False
         ),
         "started": started,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), {platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
+        f"{torch.get_num_threads()} thread(s), {platform.processor() or 'cpu'}",
         "versions": {
             "hf_maskllm": hf_maskllm.__version__,
             "torch": torch.__version__,

@@ -180,7 +180,9 @@ def sample_soft_mask(
 @torch.no_grad()
 def hard_indices(logits: torch.Tensor) -> torch.Tensor:
     """Index of the most likely candidate of every group, ``[G]`` (uint8 when ``C <= 255``)."""
-    idx = logits.argmax(dim=-1)
+    # Logits stored candidate-major (the training layout) are a strided [G, C] view: an argmax over a
+    # contiguous copy is several times faster than over the view, with the same result.
+    idx = logits.contiguous().argmax(dim=-1)
     return idx.to(torch.uint8) if logits.shape[-1] <= 255 else idx
 
 
