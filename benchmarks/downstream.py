@@ -53,6 +53,7 @@ import torch
 import hf_maskllm
 from hf_maskllm import MaskConfig, MaskModel, get_mask_model
 from hf_maskllm.adapters.mask_file import MASKS_NAME
+from hf_maskllm.adapters.sampling import hard_indices
 from hf_maskllm.data import calibration_tokens, causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
@@ -307,11 +308,24 @@ def measure_switching(mm: MaskModel, names: list[str], saved: Path, ids: torch.T
         with torch.no_grad():
             mm(input_ids=ids)
         forward[label] = time.perf_counter() - start
+    # The argmax that forward spends most on, over every layer's logits as stored (a strided view when
+    # stored candidate-major, as training leaves them) and as hard_indices takes it (a contiguous copy).
+    stored = [layer.mask_logits.detach() for layer in mm.masked_layers().values()]
+    argmax = {}
+    for label, fn in (("view", lambda t: t.argmax(dim=-1)), ("contiguous", hard_indices)):
+        start = time.perf_counter()
+        for logits in stored:
+            fn(logits)
+        argmax[label] = time.perf_counter() - start
+    candidate_major = any(layer.candidate_major_logits for layer in mm.masked_layers().values())
     mm.set_mask(names[0])
     mm.delete_mask("packed-copy")
     return state, {
         "forward_1x64_after_switch_ms": 1e3 * forward["after_switch"],
         "forward_1x64_steady_ms": 1e3 * forward["steady"],
+        "logits_candidate_major": candidate_major,
+        "argmax_all_layers_view_ms": 1e3 * argmax["view"],
+        "argmax_all_layers_contiguous_copy_ms": 1e3 * argmax["contiguous"],
         "set_mask_logits_ms_median": 1e3 * statistics.median(switch),
         "set_mask_logits_ms_max": 1e3 * max(switch),
         "set_mask_packed_decode_ms": 1e3 * decode,
@@ -339,7 +353,8 @@ def switching_only(args: argparse.Namespace, out: Path, work: Path, started: str
         f"Started {started}; {results['machine']}; hf_maskllm {results['versions']['hf_maskllm']}, torch "
         f"{results['versions']['torch']}, Python {results['versions']['python']}.",
         "",
-        "Masks `magnitude` (magnitude prior) and `random` (random logits), bf16 logits, both held as logits; "
+        "Masks `magnitude` (magnitude prior) and `random` (random logits), bf16 logits, both held as logits "
+        "and stored candidate-major (as training leaves them); "
         "`packed-copy`: the `magnitude` mask saved and loaded with `is_trainable=False`.",
         "",
         "| mask | state | memory | bits per masked weight |",
@@ -375,6 +390,9 @@ def _header(args: argparse.Namespace, started: str) -> dict:
 
 
 def _switching_line(sw: dict) -> str:
+    layout = (
+        "stored candidate-major, as training leaves them" if sw.get("logits_candidate_major") else "row-major"
+    )
     return (
         f"- switching between masks held as logits: median {sw['set_mask_logits_ms_median']:.2f} ms, max "
         f"{sw['set_mask_logits_ms_max']:.2f} ms (target < 50 ms); activating a packed mask (decode): "
@@ -382,6 +400,13 @@ def _switching_line(sw: dict) -> str:
         f"{sw['packed_copy_identical']}). The first eval forward after a switch computes the new hard masks: "
         f"{sw['forward_1x64_after_switch_ms']:.0f} ms for 1 x 64 tokens, against {sw['forward_1x64_steady_ms']:.0f} ms "
         "for the next one."
+        + (
+            f" The argmax over every layer's logits ({layout}): {sw['argmax_all_layers_view_ms']:.0f} ms over the "
+            f"stored tensors, {sw['argmax_all_layers_contiguous_copy_ms']:.0f} ms over contiguous copies "
+            "(what `hard_indices` does)."
+            if "argmax_all_layers_view_ms" in sw
+            else ""
+        )
     )
 
 

@@ -2,9 +2,10 @@
 
 Runs the command in a fresh process with the given arguments, then copies its perplexity table,
 wall time, per-stage times and the dense / 2:4 continuations into benchmarks/results/main_job.md
-and .json, with the machine, thread count, date and versions.
+and .json (``--name`` for other file names), with the machine, its CPU kernel level, thread count,
+date and versions.
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/main_job.py [--threads 1] [-- extra learn arguments]
+Run: HF_HUB_OFFLINE=1 python benchmarks/main_job.py [--threads 1] [--name main_job] [-- extra learn arguments]
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the run (default: all)")
     parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--render", help="only rewrite main_job.md from this main_job.json")
+    parser.add_argument(
+        "--name", default="main_job", help="file name of the results (<name>.md, <name>.json)"
+    )
+    parser.add_argument("--render", help="only rewrite <name>.md from this <name>.json")
     parser.add_argument("learn_args", nargs="*", help="arguments passed to `hf_maskllm learn`")
     args = parser.parse_args()
     if any(a == "--output" or a.startswith("--output=") for a in args.learn_args):
@@ -36,7 +40,7 @@ def main() -> None:
             "drop --output: this script runs `learn` in a temporary folder and reads its results.json there"
         )
     if args.render:
-        write(Path(args.out_dir), json.loads(Path(args.render).read_text()))
+        write(Path(args.out_dir), json.loads(Path(args.render).read_text()), args.name)
         return
     env = dict(os.environ)
     if args.threads:
@@ -54,10 +58,12 @@ def main() -> None:
     meta = {
         "command": "HF_HUB_OFFLINE=1 python benchmarks/main_job.py"
         + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --name {args.name}" if args.name != "main_job" else "")
         + (" -- " + " ".join(args.learn_args) if args.learn_args else ""),
         "runs": "python -m hf_maskllm learn " + " ".join(args.learn_args),
         "date": str(date.today()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS={args.threads or 'unset'}",
+        "machine": f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
+        f"{os.cpu_count()} cores, OMP_NUM_THREADS={args.threads or 'unset'}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -66,11 +72,11 @@ def main() -> None:
         "load_average_at_end": round(os.getloadavg()[0], 1),
         "mask_folder_bytes": mask_bytes,
     }
-    write(Path(args.out_dir), {"meta": meta, "results": results})
+    write(Path(args.out_dir), {"meta": meta, "results": results}, args.name)
 
 
-def write(out: Path, data: dict) -> None:
-    """main_job.json (everything) and main_job.md (the table, gap closed, continuations)."""
+def write(out: Path, data: dict, name: str = "main_job") -> None:
+    """<name>.json (everything) and <name>.md (the table, gap closed, continuations)."""
     meta, results = data["meta"], data["results"]
     ppl, seconds = results["perplexity"], results["seconds"]
     dense = next(k for k in ppl if k == "dense")
@@ -80,7 +86,7 @@ def write(out: Path, data: dict) -> None:
         c: (ppl[prior][c] - ppl[learned][c]) / (ppl[prior][c] - ppl[dense][c]) for c in ("wikipedia", "news")
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "main_job.json").write_text(json.dumps({**data, "gap_closed": closed}, indent=1, default=str))
+    (out / f"{name}.json").write_text(json.dumps({**data, "gap_closed": closed}, indent=1, default=str))
     lines = [
         "# The main job, end to end",
         "",
@@ -101,7 +107,7 @@ def write(out: Path, data: dict) -> None:
     sample = results["sample"]
     for prompt, d, s in zip(sample["prompts"], sample["dense"], sample["sparse"], strict=True):
         lines += [f"- prompt {prompt!r}", f"  - dense: {d!r}", f"  - 2:4: {s!r}"]
-    (out / "main_job.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

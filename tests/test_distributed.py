@@ -42,7 +42,7 @@ def _ddp(out: Path, *args: str) -> list[dict[str, torch.Tensor]]:
 def test_ddp_ranks_sample_their_own_noise_and_train_the_active_named_mask_only(tmp_path):
     """DDP replicas agree on every mask, each rank samples its own masks, and only the active mask trains.
 
-    A single mask under DDP (torchrun and accelerate) is covered by the FSDP and MaskAdamW tests below."""
+    A single mask under DDP (examples/accelerate_ddp.yaml) is covered by the tests of the ``ddp_run`` below."""
     ranks = _ddp(tmp_path, "named")  # the replicas agree on both masks
     probes = [load_file(tmp_path / f"probe{r}.safetensors")["noise_probe"] for r in (0, 1)]
     assert not torch.equal(probes[0], probes[1])  # each rank samples its own masks
@@ -190,6 +190,17 @@ def test_fsdp_learns_the_same_mask_as_ddp(ddp_run, tmp_path):
     examples/accelerate_ddp.yaml, bit for bit."""
     _launch(tmp_path / "fsdp")
     runs = {"fsdp": tmp_path / "fsdp", "ddp": ddp_run}
+    evidence = {mode: json.loads((folder / "evidence0.json").read_text()) for mode, folder in runs.items()}
+    # the torchrun run really sharded (accelerate falls back to DDP on CPU unless told otherwise)
+    assert (evidence["fsdp"]["distributed_type"], evidence["fsdp"]["world_size"]) == (
+        "DistributedType.FSDP",
+        2,
+    )
+    assert all(where["type"] == "DTensor" for where in evidence["fsdp"]["between_steps"].values())
+    assert (evidence["ddp"]["distributed_type"], evidence["ddp"]["world_size"]) == (
+        "DistributedType.MULTI_CPU",
+        2,
+    )
     logits = {mode: load_file(folder / "mask" / "mask_logits.safetensors") for mode, folder in runs.items()}
     initial = load_file(ddp_run / "mask_step0" / "mask_logits.safetensors")
     assert logits["fsdp"].keys() == logits["ddp"].keys() == initial.keys()
@@ -198,8 +209,8 @@ def test_fsdp_learns_the_same_mask_as_ddp(ddp_run, tmp_path):
         assert not torch.equal(logits["ddp"][name], initial[name])
     masks = {mode: load_file(folder / "mask" / "mask_model.safetensors") for mode, folder in runs.items()}
     assert all(torch.equal(masks["fsdp"][k], masks["ddp"][k]) for k in masks["ddp"])
-    stats = [_stats(json.loads((folder / "evidence0.json").read_text())) for folder in runs.values()]
-    assert [s[0] for s in stats[0]] == [s[0] for s in stats[1]]
+    stats = [_stats(evidence[mode]) for mode in runs]
+    assert [s[0] for s in stats[0]] == [s[0] for s in stats[1]] and len(stats[0]) >= 2
     for fsdp_record, ddp_record in zip(*stats):
         assert fsdp_record == pytest.approx(ddp_record, rel=1e-6)
 
