@@ -1,7 +1,7 @@
 """Recovering quality after 2:4 pruning on SmolLM2-135M, keeping the mask: reconstruction, LoRA, direct training.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py [--learn-steps 40] [--steps 150]
-        [--rows lora,direct,reconstruction-direct] [--bf16] [--direct-lr 1e-4] [--jobs 1]
+        [--rows lora,direct,reconstruction-direct,sparsegpt-direct] [--bf16] [--direct-lr 1e-4] [--jobs 1]
 
 One run, one mask. The mask is learned here by the main job's recipe (a SparseGPT prior calibrated on
 ``wikipedia:train``, then ``learn_mask`` for ``--learn-steps`` steps), so every path's wall time counts
@@ -18,7 +18,9 @@ protocol of ``benchmarks/quality.py``):
   trained with ``Trainer`` for ``--steps`` steps, then PEFT's ``merge_and_unload``;
 - ``+ direct sparse training``: the kept weights (``SparseLinear.values``) of the loaded compressed
   model trained with ``Trainer``, everything else frozen, the same token budget as LoRA;
-- ``+ reconstruction + direct training``: both, in that order.
+- ``+ reconstruction + direct training``: both, in that order;
+- ``SparseGPT + update + direct training``: direct training (the same budget) of the SparseGPT
+  baseline's kept weights, its own mask, no mask learning: the one-shot path to compare with.
 
 Every row below ``dense`` is checked to be exactly 2:4 before it is scored. Training state: what the row's
 training holds across steps (``hf_maskllm.memory.training_state_bytes``: gradients, optimizer state,
@@ -45,6 +47,8 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the training rows, in the table's order
+TRAIN_ROWS = ("lora", "direct", "reconstruction-direct", "sparsegpt-direct")
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -120,7 +124,9 @@ def _train_row(
     tokenizer = load_smollm2()[1]
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
     tokens = args.steps * args.batch_size * args.seqlen
-    start_from = "reconstructed" if key == "reconstruction-direct" else "mask_only"
+    start_from = {"reconstruction-direct": "reconstructed", "sparsegpt-direct": "sparsegpt"}.get(
+        key, "mask_only"
+    )
     loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
     if key == "lora":  # PEFT's own get_peft_model / merge_and_unload on the loaded compressed model
         config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
@@ -140,11 +146,10 @@ def _train_row(
         trainer, seconds = _fit(loaded, train, args.direct_lr, key, args, tmp)
         state = _state_per_weight(loaded, trainer, masked_weights, weights_train=True)
         model = loaded
-        label = (
-            "+ reconstruction + direct training"
-            if key == "reconstruction-direct"
-            else "+ direct sparse training"
-        ) + f" (lr {args.direct_lr})"
+        label = {
+            "reconstruction-direct": "+ reconstruction + direct training",
+            "sparsegpt-direct": "SparseGPT + update + direct training",
+        }.get(key, "+ direct sparse training") + f" (lr {args.direct_lr})"
     _assert_nm(model, label, layers)
     row = {"ppl": _ppl(model, tokenizer, args), "seconds": round(seconds, 1)}
     row.update(
@@ -182,8 +187,8 @@ def main() -> None:
     p.add_argument("--eval-seqlen", type=int, default=512)
     p.add_argument(
         "--rows",
-        default="lora,direct,reconstruction-direct",
-        help="training rows to run (comma-separated): lora, direct, reconstruction-direct",
+        default=",".join(TRAIN_ROWS),
+        help=f"training rows to run (comma-separated): {', '.join(TRAIN_ROWS)}",
     )
     p.add_argument(
         "--bf16", action="store_true", help="train the LoRA / direct rows under bf16 autocast (fp32 weights)"
@@ -201,8 +206,8 @@ def main() -> None:
             flush=True,
         )
     train_rows = set(args.rows.split(",")) if args.rows else set()
-    if train_rows - {"lora", "direct", "reconstruction-direct"}:
-        p.error(f"--rows: unknown rows {sorted(train_rows - {'lora', 'direct', 'reconstruction-direct'})}")
+    if train_rows - set(TRAIN_ROWS):
+        p.error(f"--rows: unknown rows {sorted(train_rows - set(TRAIN_ROWS))}")
 
     import peft
     import transformers
@@ -288,9 +293,10 @@ def main() -> None:
     start = time.perf_counter()
     model = fresh()
     sparsegpt_prune(model, 2, 4, names, calib, batch_size=8, progress=False)
-    seconds = time.perf_counter() - start
+    sparsegpt_seconds = time.perf_counter() - start
     assert_nm(model, "SparseGPT + update")
-    record("SparseGPT + update (its own mask)", model, seconds, seconds)
+    record("SparseGPT + update (its own mask)", model, sparsegpt_seconds, sparsegpt_seconds)
+    save_compressed(model, tmp / "sparsegpt")
 
     with torch.no_grad():
         model = fresh()
@@ -323,8 +329,12 @@ def main() -> None:
         "lora": mask_seconds,
         "direct": mask_seconds,
         "reconstruction-direct": mask_seconds + recon_seconds,
+        "sparsegpt-direct": sparsegpt_seconds,
     }
-    order = [key for key in ("reconstruction-direct", "lora", "direct") if key in train_rows]
+    # the longest row (LoRA) first, so that the rows after it fill the other process
+    order = [
+        key for key in ("lora", "sparsegpt-direct", "reconstruction-direct", "direct") if key in train_rows
+    ]
     jobs = [(key, args, tmp, before[key], len(names), masked_weights) for key in order]
     at_once = max(1, min(args.jobs, len(order)))
     if at_once > 1:
@@ -334,7 +344,7 @@ def main() -> None:
             trained = {key: (label, row) for key, label, row in pool.map(_train_row, *zip(*jobs))}
     else:
         trained = {key: (label, row) for key, label, row in (_train_row(*job) for job in jobs)}
-    for key in ("lora", "direct", "reconstruction-direct"):  # the table's order
+    for key in TRAIN_ROWS:  # the table's order
         if key in trained:
             label, row = trained[key]
             rows[label] = row
