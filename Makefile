@@ -34,10 +34,11 @@ test: install
 	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_PAR) $(PYTEST_ARGS)
 
 # The fast tests (not the slow ones, nor the notebook) on the oldest versions setup.cfg allows, in a venv of their own
-# (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too).
+# (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too; a fresh build of the CPU kernels, with
+# the oldest ninja).
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
-	$(OFFLINE) TRITON_INTERPRET=1 $(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(FLOORS_VENV)/hf_maskllm-cache $(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 style: install
 	$(VENV)/bin/ruff check --fix hf_maskllm tests benchmarks examples

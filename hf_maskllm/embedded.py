@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cache import cache_root
 from .errors import MaskLLMError
 from .serialization import current_umask
 
@@ -61,8 +62,7 @@ def smollm2_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of the converted checkpoint: ``cache_dir``, else ``$HF_MASKLLM_CACHE``, else ``~/.cache/hf_maskllm``."""
     if cache_dir is not None:
         return Path(cache_dir)
-    root = os.environ.get("HF_MASKLLM_CACHE") or Path.home() / ".cache" / "hf_maskllm"
-    return Path(root) / _CACHE_NAME
+    return cache_root() / _CACHE_NAME
 
 
 def _convert_gguf(target: Path) -> None:

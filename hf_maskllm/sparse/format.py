@@ -128,7 +128,7 @@ def compress(weight: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, torch.
     # Boolean indexing walks in row-major order, so positions come out increasing within each group.
     values = groups[selected].view(out, -1)
     pos = selected.nonzero()[:, -1].view(out, -1)
-    meta = _pack_positions(pos, meta_bits(m))
+    meta = _pack_positions(pos, meta_bits(m)).contiguous()  # the CPU kernels read rows of bytes
     return values, meta
 
 

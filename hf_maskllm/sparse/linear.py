@@ -5,10 +5,17 @@ in ``meta`` never change); ``meta`` is a buffer. Forward routes, in this order:
 
 1. A gradient is needed for ``values`` (training the sparse weights): decompress (a differentiable
    scatter) and ``F.linear``; the gradient of ``values`` is the dense gradient at the kept positions.
-2. CUDA, no gradient needed at all, Triton importable: the ``hf_maskllm.kernels.nm_linear``
-   kernels (read the compressed weight directly).
-3. Otherwise (inference, or training something else such as LoRA adapters): ``F.linear`` with a
-   cached decompressed weight when ``cache_dense`` is on (the default), else decompress per call.
+2. ``cache_dense=True`` (opt-in): ``F.linear`` with a decompressed weight kept between calls (dense
+   speed, one dense weight of memory per layer).
+3. No gradient needed at all, and a kernel reads the compressed weight on this device: on CUDA the
+   Triton kernels (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels
+   (``hf_maskllm.kernels.cpu_ops``: direct for up to 16 tokens, expand into a reused scratch buffer
+   + dense GEMM beyond). No dense copy of the layer is held.
+4. A gradient is needed for the input or the bias only (LoRA adapters, training something else):
+   ``F.linear`` with a freshly expanded weight (the C++ expansion on CPU), kept by autograd until
+   the backward pass.
+5. No kernel for this device (no Triton on CUDA; the CPU kernels could not be built, which warns
+   once): the decompressed-weight cache as in 2, unless ``cache_dense=False``.
 
 The cache is keyed on the storage and version counter of ``values`` and ``meta`` (in-place updates
 by optimizers, ``load_state_dict`` or ``copy_`` invalidate it) and dropped on ``train()`` /
@@ -26,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TargetError
+from ..kernels.cpu_extension import cpu_kernels
+from ..kernels.cpu_ops import expand_cpu, nm_linear_cpu
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress, kept_columns
@@ -54,11 +63,13 @@ class SparseLinear(nn.Module):
             :meth:`to_dense` then rebuilds a ``Conv1D``.
 
     Attributes:
-        cache_dense: keep the decompressed weight between calls when no gradient is needed for
-            ``values`` (CPU and the non-Triton routes): dense speed, costs one dense weight of memory.
+        cache_dense: ``None`` (default): keep a decompressed weight between calls only where no kernel
+            reads the compressed weight on the layer's device; ``True``: always keep it when no
+            gradient is needed for ``values`` (dense speed, one dense weight of memory per layer);
+            ``False``: never (decompress per call where no kernel exists).
     """
 
-    cache_dense: bool = True
+    cache_dense: bool | None = None
 
     def __init__(
         self,
@@ -145,16 +156,31 @@ class SparseLinear(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
-        cache = self._cache
-        if not grad and cache is not None and cache.dtype == x.dtype and self._cache_key == self._key():
-            return F.linear(x, cache, self.bias)  # the decode hot path: as cheap as nn.Linear
+        cache = self.cache_dense
+        if not grad and cache is None and x.device.type == "cpu" and x.dtype == self.values.dtype:
+            ext = cpu_kernels()  # the decode hot path: read the compressed weight directly
+            if ext is not None:
+                return nm_linear_cpu(
+                    ext, x, self.values, self.meta, self.n, self.m, self.in_features, self.bias
+                )
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if grad and self.values.requires_grad:  # training the sparse weights themselves
             return F.linear(x, self.dense_weight().to(x.dtype), bias)
+        if cache:
+            return F.linear(x, self.cached_dense_weight().to(x.dtype), bias)
         wants_grad = grad and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
         if x.is_cuda and not wants_grad and (kernel := _fast_kernel()) is not None:
             return kernel(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
-        weight = self.cached_dense_weight() if self.cache_dense else self.dense_weight()
+        if x.device.type == "cpu" and self.values.device.type == "cpu" and (ext := cpu_kernels()) is not None:
+            if not wants_grad and x.dtype == self.values.dtype:
+                return nm_linear_cpu(
+                    ext, x, self.values, self.meta, self.n, self.m, self.in_features, self.bias
+                )
+            weight = expand_cpu(
+                ext, self.values, self.meta, self.n, self.m, self.in_features, keep=wants_grad
+            )
+            return F.linear(x, weight.to(x.dtype), bias)
+        weight = self.dense_weight() if cache is False else self.cached_dense_weight()
         return F.linear(x, weight.to(x.dtype), bias)
 
     # ------------------------------------------------------------------ conversions
@@ -201,15 +227,15 @@ class SparseLinear(nn.Module):
         return linear
 
 
-def set_dense_cache(model: nn.Module, enabled: bool) -> int:
-    """Turn the decompressed-weight cache of every :class:`SparseLinear` in ``model`` on or off.
+def set_dense_cache(model: nn.Module, enabled: bool | None) -> int:
+    """Set ``cache_dense`` of every :class:`SparseLinear` in ``model`` (see the class).
 
-    Off: memory stays compressed and CPU forwards decompress per call (several times slower).
+    ``True`` keeps a decompressed weight per layer (dense speed and memory), ``False`` never does,
+    ``None`` (the default) keeps one only where no kernel reads the compressed weight on the device.
     Returns the number of layers changed.
     """
     layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
     for layer in layers:
-        layer.cache_dense = bool(enabled)
-        if not enabled:
-            layer.clear_cache()
+        layer.cache_dense = None if enabled is None else bool(enabled)
+        layer.clear_cache()
     return len(layers)

@@ -1,0 +1,199 @@
+"""Per-layer CPU N:M linear: the C++ kernels against dense ``F.linear`` and the machine's own bandwidth.
+
+    PYTHONPATH=. python benchmarks/cpu_kernels.py [--threads 1,2] [--dtypes float32,bfloat16]
+
+For every linear shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536),
+a 2:4 weight (random, never zero) is built in enough copies that one pass over them reads about 192 MB
+of dense weights (far beyond the caches, as in decoding, where every weight is read once per token),
+and each pass is timed, routes interleaved:
+
+- ``dense``: ``F.linear`` on the dense-with-zeros weight (torch's CPU GEMM / GEMV);
+- ``direct``: ``nm_linear`` reading ``values`` + ``meta`` (the route for up to 16 tokens), at each
+  instruction-set level the CPU has from AVX2 up;
+- ``expand + GEMM``: ``nm_expand`` into a reused buffer, then ``F.linear`` (the route beyond 16 tokens).
+
+Achieved GB/s = bytes of the weight the route reads (dense: the dense weight; direct: values + meta;
+expand: values + meta, plus the dense buffer the GEMM reads back) / time. The copy and read
+bandwidth of this machine are measured in the same run, on 256 MiB buffers, at each thread count.
+Writes ``benchmarks/results/cpu_kernels.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from run_info import header_lines, run_info
+
+from hf_maskllm.kernels.cpu_extension import CPU_ISA_LEVELS, cpu_isa, cpu_kernels, set_cpu_isa
+from hf_maskllm.kernels.cpu_ops import expand_cpu
+from hf_maskllm.sparse.format import compress
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {
+    "q/o 576x576": (576, 576),
+    "k/v 192x576": (192, 576),
+    "gate/up 1536x576": (1536, 576),
+    "down 576x1536": (576, 1536),
+}
+PASS_BYTES = 192 * 2**20
+
+
+def seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def at_isa(level: str, fn):
+    """``fn`` run with the CPU kernels capped at ``level``."""
+
+    def run():
+        set_cpu_isa(level)
+        return fn()
+
+    return run
+
+
+def bandwidth(repeats: int) -> dict:
+    a = torch.ones(64 * 2**20)  # 256 MiB of float32
+    b = torch.empty_like(a)
+    nbytes = a.numel() * 4
+    return {
+        "copy_GBps": 2 * nbytes / seconds(lambda: b.copy_(a), repeats) / 1e9,  # read + write
+        "read_GBps": nbytes / seconds(lambda: a.sum(), repeats) / 1e9,
+    }
+
+
+def layers(
+    out_f: int, in_f: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(dense, values, meta)`` copies of a random 2:4 weight, about PASS_BYTES of dense weight in all."""
+    g = torch.Generator().manual_seed(out_f * 7 + in_f)
+    copies = max(4, PASS_BYTES // (out_f * in_f * torch.finfo(dtype).bits // 8))
+    built = []
+    for _ in range(copies):
+        w = torch.randn(out_f, in_f, generator=g).to(dtype)
+        groups = w.view(out_f, -1, 4)
+        groups.scatter_(-1, groups.abs().argsort(dim=-1)[..., :2], 0.0)
+        built.append((w, *compress(w, 2, 4)))
+    return built
+
+
+def route_fns(ext, built, x, isas, best, dense_bytes, sparse_bytes) -> dict:
+    """``{route: (one pass over the copies, bytes of weight read per layer)}`` for ``x``'s token count."""
+    tokens, in_f = x.shape
+    routes = {"dense": (lambda: [F.linear(x, w) for w, _, _ in built], dense_bytes)}
+    if tokens <= 16:
+        for isa in isas:
+            direct = at_isa(isa, lambda: [ext.nm_linear(x, v, m, 2, 4, None) for _, v, m in built])
+            routes[f"direct ({isa})"] = (direct, sparse_bytes)
+    if tokens >= 2:
+        expand = at_isa(
+            best, lambda: [F.linear(x, expand_cpu(ext, v, m, 2, 4, in_f, keep=False)) for _, v, m in built]
+        )
+        routes[f"expand + GEMM ({best})"] = (expand, sparse_bytes + dense_bytes)
+    return routes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", default=f"1,{torch.get_num_threads()}")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--tokens", default="1,2,4,8,16,32,512", help="token counts (both routes run from 2 to 16)"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "cpu_kernels"))
+    args = parser.parse_args()
+    ext = cpu_kernels()
+    if ext is None:
+        raise SystemExit("the CPU kernels could not be built (see the warning above)")
+    best = cpu_isa()
+    isas = [best] + (["avx2"] if CPU_ISA_LEVELS.index(best) > CPU_ISA_LEVELS.index("avx2") else [])
+    info = run_info("benchmarks/cpu_kernels.py")
+    started = time.perf_counter()
+    rows, bandwidths = [], {}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        bandwidths[threads] = bandwidth(args.repeats)
+        print(threads, "threads:", json.dumps(bandwidths[threads]), flush=True)
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            for shape_name, (out_f, in_f) in SHAPES.items():
+                built = layers(out_f, in_f, dtype)
+                dense_bytes = out_f * in_f * built[0][0].element_size()
+                sparse_bytes = built[0][1].numel() * built[0][1].element_size() + built[0][2].numel()
+                for tokens in [int(t) for t in args.tokens.split(",")]:
+                    x = torch.randn(tokens, in_f).to(dtype)
+                    routes = route_fns(ext, built, x, isas, best, dense_bytes, sparse_bytes)
+                    per_layer = {
+                        name: seconds(fn, args.repeats) / len(built) for name, (fn, _) in routes.items()
+                    }
+                    set_cpu_isa(None)
+                    for name, (_, nbytes) in routes.items():
+                        rows.append(
+                            {
+                                "dtype": dtype_name,
+                                "threads": threads,
+                                "layer": shape_name,
+                                "tokens": tokens,
+                                "route": name,
+                                "us_per_layer": per_layer[name] * 1e6,
+                                "speed_vs_dense": per_layer["dense"] / per_layer[name],
+                                "GBps": nbytes / per_layer[name] / 1e9,
+                                "of_read_bandwidth": nbytes
+                                / per_layer[name]
+                                / 1e9
+                                / bandwidths[threads]["read_GBps"],
+                            }
+                        )
+                        print(json.dumps(rows[-1]), flush=True)
+                del built
+
+    info["seconds"] = round(time.perf_counter() - started, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(
+        json.dumps({**info, "bandwidth": bandwidths, "rows": rows}, indent=2) + "\n"
+    )
+    lines = [
+        "# CPU N:M linear per layer: the C++ kernels vs dense F.linear vs this machine's bandwidth",
+        "",
+        *header_lines(info),
+        "",
+        "Random 2:4 weights of SmolLM2-135M's linear shapes, one pass over ~192 MB of dense weights per "
+        f"timing (from memory, not cache), median of {args.repeats} interleaved passes; GB/s counts the bytes "
+        "of weight each route reads (direct: values + meta; expand + GEMM: also the dense buffer).",
+        "",
+        "| threads | copy GB/s (read + write) | read GB/s |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {t} | {b['copy_GBps']:.1f} | {b['read_GBps']:.1f} |" for t, b in bandwidths.items()]
+    lines += [
+        "",
+        "| dtype | threads | layer | tokens | route | us / layer | speed vs dense | GB/s | of read bandwidth |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['threads']} | {r['layer']} | {r['tokens']} | {r['route']} | "
+            f"{r['us_per_layer']:.0f} | {r['speed_vs_dense']:.2f}x | {r['GBps']:.1f} | {100 * r['of_read_bandwidth']:.0f}% |"
+        )
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

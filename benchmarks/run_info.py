@@ -1,0 +1,117 @@
+"""What a results file records about its run: command, date, machine (CPU model and the flags the
+kernels use), versions and git commit. ``from run_info import run_info, rss_peak_bytes`` in a benchmark."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# CPU flags that decide which kernels run (torch's, oneDNN's and hf_maskllm's CPU dispatch)
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_vbmi2",
+    "amx_bf16",
+)
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                present = set(line.split(":", 1)[1].split())
+                flags = [flag for flag in KERNEL_FLAGS if flag in present]
+    except OSError:
+        pass
+    return model, flags
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + (" (with uncommitted changes)" if dirty else "")
+
+
+def run_info(script: str) -> dict:
+    """The header fields of a results file written by ``script`` (called as ``sys.argv`` says)."""
+    import transformers
+
+    import hf_maskllm
+    from hf_maskllm.kernels.cpu_extension import cpu_isa
+
+    model, flags = cpu_model_and_flags()
+    env = {
+        k: os.environ[k]
+        for k in ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        if k in os.environ
+    }
+    return {
+        "command": " ".join(["PYTHONPATH=. python", script, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {
+            "cpu": model,
+            "cores": os.cpu_count(),
+            "flags": flags,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "hf_maskllm_cpu_isa": cpu_isa(),
+            "env": env,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_maskllm": hf_maskllm.__version__,
+        },
+        "git_commit": git_commit(),
+    }
+
+
+def header_lines(info: dict) -> list[str]:
+    """Markdown lines for a results file's header."""
+    machine = info["machine"]
+    return [
+        f"Command: `{info['command']}`  ",
+        f"Date: {info['date']}; git commit {info['git_commit']}  ",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores; CPU flags used by kernels: "
+        f"{', '.join(machine['flags']) or 'none'}; torch CPU kernels {machine['torch_cpu_capability']}, "
+        f"hf_maskllm CPU kernels {machine['hf_maskllm_cpu_isa']}"
+        + (f"; env {machine['env']}" if machine["env"] else "")
+        + "  ",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+    ]
+
+
+def rss_peak_bytes() -> int:
+    """This process's peak resident set size since it started (or exec'd: ``VmHWM``, unlike
+    ``ru_maxrss``, which Linux carries over from the parent across ``exec``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,76 @@
+"""The CPU N:M linear: the route by token count over the C++ kernels of :mod:`.cpu_extension`.
+
+- Up to :data:`CPU_DECODE_MAX_TOKENS` (8) tokens (decode, small batches): ``nm_linear`` reads ``values``
+  and ``meta`` once for all tokens and never builds the dense weight (memory-bound: the compressed
+  format reads 0.56x the bytes of a dense bf16 or fp16 weight, 0.53x of fp32).
+- More tokens (prefill): ``nm_expand`` writes the layer's dense weight into a scratch buffer, then a
+  dense GEMM (``F.linear``). The buffer is one per thread and dtype, sized for the largest layer seen
+  and reused by every layer, so the model holds no dense copy per layer. With ``keep=True`` (autograd
+  will save the weight for the backward pass) a fresh buffer is used instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CPU_DECODE_MAX_TOKENS", "expand_cpu", "nm_linear_cpu", "scratch_bytes"]
+
+# Tokens up to which the direct kernel runs: it reads the weight once for all tokens, but its cost per
+# token (a permute and an FMA per block of kept values) grows faster than a dense GEMM's; the measured
+# crossover on SmolLM2's layer shapes lies between 8 and 16 tokens (benchmarks/results/cpu_kernels.md).
+CPU_DECODE_MAX_TOKENS = 8
+
+_local = threading.local()
+
+
+def _scratch(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[rows, cols]`` view of this thread's reusable buffer for ``dtype`` (grown, never shrunk)."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffers[dtype] = None  # free the smaller one first
+        buffer = buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def scratch_bytes() -> int:
+    """Bytes held by this thread's expansion buffers (counted with a model's memory)."""
+    buffers = getattr(_local, "buffers", None) or {}
+    return sum(b.numel() * b.element_size() for b in buffers.values() if b is not None)
+
+
+def expand_cpu(
+    ext: ModuleType, values: torch.Tensor, meta: torch.Tensor, n: int, m: int, in_features: int, keep: bool
+) -> torch.Tensor:
+    """The dense ``[out, in_features]`` weight (values' dtype): a fresh tensor if ``keep``, else the scratch buffer."""
+    out = values.shape[0]
+    dense = (
+        torch.empty(out, in_features, dtype=values.dtype)
+        if keep
+        else _scratch(out, in_features, values.dtype)
+    )
+    return ext.nm_expand(values.contiguous(), meta.contiguous(), n, m, in_features, dense)
+
+
+def nm_linear_cpu(
+    ext: ModuleType,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for a compressed ``W`` on CPU, without autograd (``x`` in the values' dtype)."""
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    if x.numel() <= CPU_DECODE_MAX_TOKENS * in_features:
+        return ext.nm_linear(x, values, meta, n, m, bias)
+    return F.linear(x, expand_cpu(ext, values, meta, n, m, in_features, keep=False), bias)
