@@ -4,7 +4,7 @@
   and ``meta`` once for all tokens and never builds the dense weight (memory-bound: the compressed
   format reads 0.56x the bytes of a dense bf16 or fp16 weight, 0.53x of fp32).
 - More tokens (prefill): ``nm_expand`` writes the layer's dense weight into a scratch buffer, then a
-  dense GEMM (``F.linear``). The buffer is one per thread and dtype, sized for the largest layer seen
+  dense GEMM (``F.linear``; for bfloat16 on CPUs without AVX512-BF16, in float32). The buffer is one per thread and dtype, sized for the largest layer seen
   and reused by every layer, so the model holds no dense copy per layer. With ``keep=True`` (autograd
   will save the weight for the backward pass) a fresh buffer is used instead.
 """
@@ -17,6 +17,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from .cpu_extension import CPU_ISA_LEVELS
+
 __all__ = ["CPU_DECODE_MAX_TOKENS", "expand_cpu", "nm_linear_cpu", "scratch_bytes"]
 
 # Tokens up to which the direct kernel runs: it reads the weight once for all tokens, but its cost per
@@ -24,6 +26,7 @@ __all__ = ["CPU_DECODE_MAX_TOKENS", "expand_cpu", "nm_linear_cpu", "scratch_byte
 # crossover on SmolLM2's layer shapes lies between 8 and 16 tokens (benchmarks/results/cpu_kernels.md).
 CPU_DECODE_MAX_TOKENS = 8
 
+_AVX512_BF16 = CPU_ISA_LEVELS.index("avx512_bf16")  # the dispatch level with native bfloat16 dot products
 _local = threading.local()
 
 
@@ -73,4 +76,9 @@ def nm_linear_cpu(
         bias = bias.to(x.dtype)
     if x.numel() <= CPU_DECODE_MAX_TOKENS * in_features:
         return ext.nm_linear(x, values, meta, n, m, bias)
-    return F.linear(x, expand_cpu(ext, values, meta, n, m, in_features, keep=False), bias)
+    weight = expand_cpu(ext, values, meta, n, m, in_features, keep=False)
+    if x.dtype == torch.bfloat16 and ext.isa() < _AVX512_BF16:
+        # Without AVX512-BF16 torch's CPU bfloat16 GEMM is several times slower than its float32 GEMM
+        # (benchmarks/results/generate_cpu.md, avx2 rows): multiply in float32, round once at the end.
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)

@@ -69,6 +69,7 @@ int current_isa() {
 
 constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers); more take more passes
 constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
+constexpr int kPrefetchBytes = 1024;  // how far ahead of the kept values a row pass prefetches
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -149,6 +150,7 @@ TARGET_AVX512 void row24_avx512(const T* v, const uint8_t* meta_row, int64_t kep
   for (int64_t blk = 0; blk < full; ++blk) {
     uint32_t word;
     std::memcpy(&word, meta_row + 4 * blk, 4);
+    _mm_prefetch(reinterpret_cast<const char*>(v + 16 * blk) + kPrefetchBytes, _MM_HINT_T0);
     step24_avx512<TB>(acc, load16(v + 16 * blk), indices16(word), xf + 32 * blk, Kp);
   }
   const int64_t rest = kept - 16 * full;
@@ -197,6 +199,7 @@ TARGET_AVX512_BF16 void row24_bf16dp(const c10::BFloat16* v, const uint8_t* meta
   for (int64_t blk = 0; blk < full; ++blk) {
     uint64_t word;
     std::memcpy(&word, meta_row + 8 * blk, 8);
+    _mm_prefetch(reinterpret_cast<const char*>(v + 32 * blk) + kPrefetchBytes, _MM_HINT_T0);
     step24_bf16dp<TB>(acc, _mm512_loadu_si512(v + 32 * blk), indices32(word), xb + 64 * blk, Kp);
   }
   const int64_t rest = kept - 32 * full;
@@ -292,6 +295,7 @@ TARGET_AVX2 void row24_avx2(const T* v, const uint8_t* meta_row, int64_t kept, c
   for (int64_t blk = 0; blk < full; ++blk) {
     uint32_t word;
     std::memcpy(&word, meta_row + 4 * blk, 4);
+    _mm_prefetch(reinterpret_cast<const char*>(v + 16 * blk) + kPrefetchBytes, _MM_HINT_T0);
     Avx2Values<T>::load(v + 16 * blk, w_lo, w_hi);
     Avx2Values<T>::positions(word, p_lo, p_hi);
     step24_avx2<TB>(acc, w_lo, p_lo, xf + 32 * blk, Kp);
