@@ -8,9 +8,12 @@ of dense weights (far beyond the caches, as in decoding, where every weight is r
 and each pass is timed, routes interleaved:
 
 - ``dense``: ``F.linear`` on the dense-with-zeros weight (torch's CPU GEMM / GEMV);
-- ``direct``: ``nm_linear`` reading ``values`` + ``meta`` (the route for up to 16 tokens), at each
-  instruction-set level the CPU has from AVX2 up;
-- ``expand + GEMM``: ``nm_expand`` into a reused buffer, then ``F.linear`` (the route beyond 16 tokens).
+- ``direct``: ``nm_linear`` reading ``values`` + ``meta`` (the route for up to 8 tokens), at the best
+  instruction set the CPU has and at AVX2;
+- ``expand + GEMM``: ``nm_expand`` into a reused buffer, then ``F.linear`` (the route beyond 8 tokens;
+  ``hf_maskllm.kernels.cpu_ops.expand_linear``, as shipped).
+
+Both CPU routes run from 2 to 16 tokens, to show the crossover.
 
 Achieved GB/s = bytes of the weight the route reads (dense: the dense weight; direct: values + meta;
 expand: values + meta, plus the dense buffer the GEMM reads back) / time. The copy and read
@@ -24,14 +27,16 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from run_info import header_lines, run_info
 
 from hf_maskllm.kernels.cpu_extension import CPU_ISA_LEVELS, cpu_isa, cpu_kernels, set_cpu_isa
-from hf_maskllm.kernels.cpu_ops import expand_cpu
+from hf_maskllm.kernels.cpu_ops import expand_linear
 from hf_maskllm.sparse.format import compress
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,21 +49,28 @@ SHAPES = {
 PASS_BYTES = 192 * 2**20
 
 
-def seconds(fn, repeats: int) -> float:
+def seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return interleaved({"fn": fn}, repeats)["fn"]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each function, the functions run in turn within each repeat."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def at_isa(level: str, fn):
+def at_isa(level: str, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with the CPU kernels capped at ``level``."""
 
-    def run():
+    def run() -> object:
         set_cpu_isa(level)
         return fn()
 
@@ -90,7 +102,15 @@ def layers(
     return built
 
 
-def route_fns(ext, built, x, isas, best, dense_bytes, sparse_bytes) -> dict:
+def route_fns(
+    ext: ModuleType,
+    built: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    isas: list[str],
+    best: str,
+    dense_bytes: int,
+    sparse_bytes: int,
+) -> dict[str, tuple[Callable[[], object], int]]:
     """``{route: (one pass over the copies, bytes of weight read per layer)}`` for ``x``'s token count."""
     tokens, in_f = x.shape
     routes = {"dense": (lambda: [F.linear(x, w) for w, _, _ in built], dense_bytes)}
@@ -99,9 +119,7 @@ def route_fns(ext, built, x, isas, best, dense_bytes, sparse_bytes) -> dict:
             direct = at_isa(isa, lambda: [ext.nm_linear(x, v, m, 2, 4, None) for _, v, m in built])
             routes[f"direct ({isa})"] = (direct, sparse_bytes)
     if tokens >= 2:
-        expand = at_isa(
-            best, lambda: [F.linear(x, expand_cpu(ext, v, m, 2, 4, in_f, keep=False)) for _, v, m in built]
-        )
+        expand = at_isa(best, lambda: [expand_linear(ext, x, v, m, 2, 4, in_f, None) for _, v, m in built])
         routes[f"expand + GEMM ({best})"] = (expand, sparse_bytes + dense_bytes)
     return routes
 
@@ -139,9 +157,8 @@ def main() -> None:
                 for tokens in [int(t) for t in args.tokens.split(",")]:
                     x = torch.randn(tokens, in_f).to(dtype)
                     routes = route_fns(ext, built, x, isas, best, dense_bytes, sparse_bytes)
-                    per_layer = {
-                        name: seconds(fn, args.repeats) / len(built) for name, (fn, _) in routes.items()
-                    }
+                    timed = interleaved({name: fn for name, (fn, _) in routes.items()}, args.repeats)
+                    per_layer = {name: t / len(built) for name, t in timed.items()}
                     set_cpu_isa(None)
                     for name, (_, nbytes) in routes.items():
                         rows.append(

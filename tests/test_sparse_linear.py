@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from models import single_thread  # noqa: F401  (autouse fixture)
 from transformers.pytorch_utils import Conv1D
 
+from hf_maskllm.kernels.cpu_ops import CPU_DECODE_MAX_TOKENS
 from hf_maskllm.sparse import SparseLinear, set_dense_cache
 
 
@@ -32,7 +35,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,m,out_f,in_f", CASES)
-@pytest.mark.parametrize("tokens", [1, 15, 40])  # the direct kernel (<= 16 tokens) and expand + GEMM
+@pytest.mark.parametrize("tokens", [1, 8, 9, 40])  # the direct kernel (<= 8 tokens) and expand + GEMM
 def test_every_cpu_route_matches_dense(n, m, out_f, in_f, dtype, tokens):
     dense = nm_linear(out_f, in_f, n, m, dtype)
     sparse = SparseLinear.from_dense(dense, n, m)
@@ -43,6 +46,8 @@ def test_every_cpu_route_matches_dense(n, m, out_f, in_f, dtype, tokens):
         direct = sparse(x)
         assert sparse._cache is None  # the CPU kernels read the compressed weight
         torch.testing.assert_close(direct, expected, **TOL[dtype])
+        if tokens > CPU_DECODE_MAX_TOKENS and dtype == torch.float32:  # the same GEMM on the same bits
+            assert torch.equal(direct, expected)
         torch.testing.assert_close(
             sparse(x.view(1, tokens, in_f)), direct.view(1, tokens, out_f), rtol=0, atol=0
         )
@@ -55,6 +60,23 @@ def test_every_cpu_route_matches_dense(n, m, out_f, in_f, dtype, tokens):
         torch.testing.assert_close(sparse(x), direct, rtol=0, atol=0)
         assert sparse._cache is None
     torch.testing.assert_close(sparse(x), expected, **TOL[dtype])  # grad enabled: the training route
+
+
+def test_float64_and_autocast_take_the_dense_routes():
+    dense = nm_linear(16, 32, 2, 4, torch.float32)
+    sparse = SparseLinear.from_dense(dense, 2, 4)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        sparse64 = SparseLinear.from_dense(copy.deepcopy(dense).double(), 2, 4)
+        torch.testing.assert_close(
+            sparse64(x.double()), F.linear(x.double(), dense.weight.double(), dense.bias.double())
+        )
+        for tokens in (3, 20):  # under autocast the output dtype is autocast's, whatever the route
+            xt = torch.randn(tokens, 32)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = sparse(xt), dense(xt)
+            assert got.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want)
 
 
 def test_without_cpu_kernels_the_cached_route_runs(monkeypatch):

@@ -1,6 +1,6 @@
 """Build, cache and load the CPU N:M kernels (``kernels/cpu/nm_linear.cpp``).
 
-The C++ source is compiled once per torch version, Python version and machine type with
+The C++ source is compiled once per torch version, Python version, machine type and source with
 ``torch.utils.cpp_extension.load`` (the C++ compiler that ``torch.compile`` on CPU needs as well;
 ninja from the ``ninja`` wheel), into ``torch_extensions/`` under ``$HF_MASKLLM_CACHE`` (default
 ``~/.cache/hf_maskllm``); later processes load the built library in milliseconds. The instruction
@@ -15,6 +15,7 @@ a cached dense weight (dense speed, dense memory).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -41,7 +42,11 @@ _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}
 
 
 def _build_directory() -> Path:
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    """One folder per torch version, Python version, machine type and source (a changed source builds anew)."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = (
+        f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{source}"
+    )
     return cache_root() / "torch_extensions" / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 
 
@@ -78,31 +83,56 @@ def cpu_kernels() -> ModuleType | None:
     _ninja_on_path()
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir)
     built = any(build_dir.glob("*.so"))
     if not built:
         logger.warning(
-            "hf_maskllm: compiling the CPU N:M kernels once (about a minute) into %s; later runs load them.",
+            "hf_maskllm: compiling the CPU N:M kernels once (under a minute) into %s; later runs load them.",
             build_dir,
         )
     start = time.perf_counter()
+    # OpenMP: torch's own pool on Linux (its libgomp is already loaded); elsewhere one thread per call.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     try:
         module = cpp_extension.load(
             name="hf_maskllm_nm_cpu",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", *openmp],
+            extra_ldflags=openmp,
             build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as error:  # a missing compiler or ninja, or a failed build: say which, fall back
-        _warn_unavailable(
-            f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}"
-        )
+        _warn_unavailable(_cause(error))
         return None
     if not built:
         logger.warning("hf_maskllm: CPU N:M kernels compiled in %.1f s.", time.perf_counter() - start)
     module.set_isa(_requested_level())
     return module
+
+
+def _cause(error: Exception) -> str:
+    """The line of a build error that says what went wrong (the compiler's error, a missing program)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [
+        line
+        for line in lines
+        if re.search(r"error|not found|no such file|cannot|required|fatal|permission", line, re.IGNORECASE)
+        and not line.startswith(("ninja: build stopped", "Error building extension", "FAILED:"))
+    ]
+    detail = (telling or lines or [""])[0]
+    return f"{type(error).__name__}: {detail[:300]}"
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    """torch waits forever on the lock file of a build that was killed; one older than 15 minutes is stale."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > 15 * 60:
+            logger.warning("hf_maskllm: removing a stale build lock %s (a killed build left it).", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _requested_level() -> int:

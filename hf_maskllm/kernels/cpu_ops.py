@@ -1,12 +1,13 @@
 """The CPU N:M linear: the route by token count over the C++ kernels of :mod:`.cpu_extension`.
 
-- Up to :data:`CPU_DECODE_MAX_TOKENS` (8) tokens (decode, small batches): ``nm_linear`` reads ``values``
-  and ``meta`` once for all tokens and never builds the dense weight (memory-bound: the compressed
-  format reads 0.56x the bytes of a dense bf16 or fp16 weight, 0.53x of fp32).
+- Up to :data:`CPU_DECODE_MAX_TOKENS` (8) tokens (decode, small batches): ``nm_linear`` reads
+  ``values`` and ``meta`` once for all tokens and never builds the dense weight (memory-bound: the
+  compressed format reads 0.56x the bytes of a dense bf16 or fp16 weight, 0.53x of fp32).
 - More tokens (prefill): ``nm_expand`` writes the layer's dense weight into a scratch buffer, then a
-  dense GEMM (``F.linear``; for bfloat16 on CPUs without AVX512-BF16, in float32). The buffer is one per thread and dtype, sized for the largest layer seen
-  and reused by every layer, so the model holds no dense copy per layer. With ``keep=True`` (autograd
-  will save the weight for the backward pass) a fresh buffer is used instead.
+  dense GEMM (``F.linear``; for bfloat16 on CPUs without AVX512-BF16, in float32). The buffer is one
+  per thread and dtype, sized for the largest layer seen and reused by every layer, so the model
+  holds no dense copy per layer. With ``keep=True`` (autograd will save the weight for the backward
+  pass) a fresh buffer is used instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from .cpu_extension import CPU_ISA_LEVELS
 
-__all__ = ["CPU_DECODE_MAX_TOKENS", "expand_cpu", "nm_linear_cpu", "scratch_bytes"]
+__all__ = ["CPU_DECODE_MAX_TOKENS", "expand_cpu", "expand_linear", "nm_linear_cpu", "scratch_bytes"]
 
 # Tokens up to which the direct kernel runs: it reads the weight once for all tokens, but its cost per
 # token (a permute and an FMA per block of kept values) grows faster than a dense GEMM's; the measured
@@ -76,6 +77,20 @@ def nm_linear_cpu(
         bias = bias.to(x.dtype)
     if x.numel() <= CPU_DECODE_MAX_TOKENS * in_features:
         return ext.nm_linear(x, values, meta, n, m, bias)
+    return expand_linear(ext, x, values, meta, n, m, in_features, bias)
+
+
+def expand_linear(
+    ext: ModuleType,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The prefill route: expand into the scratch buffer, then a dense GEMM (no autograd)."""
     weight = expand_cpu(ext, values, meta, n, m, in_features, keep=False)
     if x.dtype == torch.bfloat16 and ext.isa() < _AVX512_BF16:
         # Without AVX512-BF16 torch's CPU bfloat16 GEMM is several times slower than its float32 GEMM

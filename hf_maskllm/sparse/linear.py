@@ -8,12 +8,12 @@ in ``meta`` never change); ``meta`` is a buffer. Forward routes, in this order:
 2. ``cache_dense=True`` (opt-in): ``F.linear`` with a decompressed weight kept between calls (dense
    speed, one dense weight of memory per layer).
 3. No gradient needed at all, and a kernel reads the compressed weight on this device: on CUDA the
-   Triton kernels (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels
-   (``hf_maskllm.kernels.cpu_ops``: direct for up to 16 tokens, expand into a reused scratch buffer
-   + dense GEMM beyond). No dense copy of the layer is held.
-4. A gradient is needed for the input or the bias only (LoRA adapters, training something else):
-   ``F.linear`` with a freshly expanded weight (the C++ expansion on CPU), kept by autograd until
-   the backward pass.
+   Triton kernels (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels for float32, bfloat16
+   and float16 outside autocast (``hf_maskllm.kernels.cpu_ops``: direct for up to 8 tokens, expand
+   into a reused scratch buffer + dense GEMM beyond). No dense copy of the layer is held.
+4. A gradient is needed for the input or the bias only (LoRA adapters, training something else), or
+   CPU autocast: ``F.linear`` with a freshly expanded weight (the C++ expansion on CPU), kept by
+   autograd until the backward pass.
 5. No kernel for this device (no Triton on CUDA; the CPU kernels could not be built, which warns
    once): the decompressed-weight cache as in 2, unless ``cache_dense=False``.
 
@@ -40,6 +40,8 @@ from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress, kept_columns
 
 __all__ = ["SparseLinear", "set_dense_cache"]
+
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @lru_cache(maxsize=1)
@@ -157,7 +159,10 @@ class SparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
         cache = self.cache_dense
-        if not grad and cache is None and x.device.type == "cpu" and x.dtype == self.values.dtype:
+        cpu = x.device.type == "cpu" and self.values.device.type == "cpu"
+        # the CPU kernels compute in the input's dtype: not under autocast, which picks its own
+        kernel_dtype = x.dtype == self.values.dtype and x.dtype in _CPU_KERNEL_DTYPES
+        if cpu and not grad and cache is None and kernel_dtype and not torch.is_autocast_enabled("cpu"):
             ext = cpu_kernels()  # the decode hot path: read the compressed weight directly
             if ext is not None:
                 return nm_linear_cpu(
@@ -171,8 +176,8 @@ class SparseLinear(nn.Module):
         wants_grad = grad and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
         if x.is_cuda and not wants_grad and (kernel := _fast_kernel()) is not None:
             return kernel(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
-        if x.device.type == "cpu" and self.values.device.type == "cpu" and (ext := cpu_kernels()) is not None:
-            if not wants_grad and x.dtype == self.values.dtype:
+        if cpu and self.values.dtype in _CPU_KERNEL_DTYPES and (ext := cpu_kernels()) is not None:
+            if not wants_grad and kernel_dtype and not torch.is_autocast_enabled("cpu"):
                 return nm_linear_cpu(
                     ext, x, self.values, self.meta, self.n, self.m, self.in_features, self.bias
                 )

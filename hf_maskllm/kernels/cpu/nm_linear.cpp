@@ -25,12 +25,20 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
+#define HF_MASKLLM_X86 1
+#include <immintrin.h>
+#else
+#define HF_MASKLLM_X86 0
+#endif
 
 namespace {
 
@@ -43,6 +51,7 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 #define TARGET_AVX512_VBMI2 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi2,avx2,fma,f16c")))
 
+#if HF_MASKLLM_X86
 int supported_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -56,15 +65,26 @@ int supported_isa() {
 }
 
 bool supports_vbmi2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vbmi2");
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512vbmi2"));
+  }();
+  return has;
 }
+#else
+int supported_isa() { return kScalar; }
+bool supports_vbmi2() { return false; }
+#endif
 
-int g_isa = -1;  // the level in use: min(requested, supported); set by set_isa
+std::atomic<int> g_isa{-1};  // the level in use: min(requested, supported); set by set_isa
 
 int current_isa() {
-  if (g_isa < 0) g_isa = supported_isa();
-  return g_isa;
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    isa = supported_isa();
+    g_isa.store(isa, std::memory_order_relaxed);
+  }
+  return isa;
 }
 
 constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers); more take more passes
@@ -103,12 +123,15 @@ void row_scalar(const T* v, const uint8_t* meta_row, int64_t kept, int n, int m,
                 int64_t K, int64_t tokens, float* acc) {
   for (int64_t t = 0; t < tokens; ++t) acc[t] = 0.f;
   for (int64_t j = 0; j < kept; ++j) {
-    const int64_t col = (j / n) * m + read_position(meta_row, j, b);
+    const int pos = read_position(meta_row, j, b);
+    if (pos >= m) continue;  // corrupt meta (checkpoints are validated on load): never read outside the row
+    const int64_t col = (j / n) * m + pos;
     const float w = to_float(v[j]);
     for (int64_t t = 0; t < tokens; ++t) acc[t] += w * xf[t * K + col];
   }
 }
 
+#if HF_MASKLLM_X86
 // ------------------------------------------------------------------------------------------------
 // AVX-512, 2:4, float32 arithmetic: 16 kept values (8 groups, 32 inputs, 4 meta bytes) per block.
 TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -330,6 +353,8 @@ void avx2_layout(const T* x, int64_t tokens, int64_t K, int64_t Kp, const int* o
   }
 }
 
+#endif  // HF_MASKLLM_X86
+
 // One row pass for `tb` (1..kMaxTokenBlock) tokens: dispatch to the instantiation with tb accumulators.
 template <typename Fn>
 void with_token_block(int64_t tb, Fn&& fn) {
@@ -371,10 +396,12 @@ void linear_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& value
     xb_buf.assign(tokens * Kp, c10::BFloat16(0.f));
     for (int64_t t = 0; t < tokens; ++t) std::memcpy(&xb_buf[t * Kp], xp + t * K, K * sizeof(T));
     xb = xb_buf.data();
+#if HF_MASKLLM_X86
   } else if (fast24 && isa < kAvx512) {
     xf_buf.resize(tokens * Kp);
     avx2_layout<T>(xp, tokens, K, Kp, Avx2Values<T>::order, xf_buf.data());
     xf = xf_buf.data();
+#endif
   } else if (fast24 || !std::is_same<T, float>::value) {
     xf_buf.assign(tokens * Kp, 0.f);
     for (int64_t t = 0; t < tokens; ++t)
@@ -400,6 +427,7 @@ void linear_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& value
       }
       for (int64_t t0 = 0; t0 < tokens; t0 += block) {
         const int64_t tb = std::min<int64_t>(block, tokens - t0);
+#if HF_MASKLLM_X86
         with_token_block(tb, [&](auto tokens_in_pass) {
           constexpr int TB = decltype(tokens_in_pass)::value;
           if (bf16dp) {
@@ -412,6 +440,7 @@ void linear_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& value
             row24_avx2<TB, T>(v, meta_row, kept, xf + t0 * Kp, Kp, acc);
           }
         });
+#endif
         for (int64_t t = 0; t < tb; ++t) yp[(t0 + t) * out + r] = from_float<T>(acc[t] + bias_r);
       }
     }
@@ -437,9 +466,13 @@ template <typename T>
 void expand_row_scalar(const T* v, const uint8_t* meta_row, int64_t kept, int n, int m, int b, int64_t K,
                        T* dst) {
   std::memset(static_cast<void*>(dst), 0, K * sizeof(T));
-  for (int64_t j = 0; j < kept; ++j) dst[(j / n) * m + read_position(meta_row, j, b)] = v[j];
+  for (int64_t j = 0; j < kept; ++j) {
+    const int pos = read_position(meta_row, j, b);
+    if (pos < m) dst[(j / n) * m + pos] = v[j];  // corrupt meta never writes outside the row
+  }
 }
 
+#if HF_MASKLLM_X86
 // 2:4, 32-bit values: 8 kept -> 16 dense per vpexpandd.
 TARGET_AVX512 void expand_row24_avx512_32(const uint32_t* v, const uint8_t* meta_row, int64_t kept,
                                           uint32_t* dst) {
@@ -476,6 +509,8 @@ TARGET_AVX512_VBMI2 void expand_row24_avx512_16(const uint16_t* v, const uint8_t
   }
 }
 
+#endif  // HF_MASKLLM_X86
+
 template <typename T>
 void expand_impl(const at::Tensor& values, const at::Tensor& meta, int n, int m, int64_t K, at::Tensor& dense) {
   const int64_t out = values.size(0), kept = values.size(1), meta_stride = meta.size(1);
@@ -492,13 +527,17 @@ void expand_impl(const at::Tensor& values, const at::Tensor& meta, int n, int m,
       T* dst = dp + r * K;
       if (!vec24) {
         expand_row_scalar<T>(v, meta_row, kept, n, m, b, K, dst);
-      } else if constexpr (sizeof(T) == 4) {
+        continue;
+      }
+#if HF_MASKLLM_X86
+      if constexpr (sizeof(T) == 4) {
         expand_row24_avx512_32(reinterpret_cast<const uint32_t*>(v), meta_row, kept,
                                reinterpret_cast<uint32_t*>(dst));
       } else {
         expand_row24_avx512_16(reinterpret_cast<const uint16_t*>(v), meta_row, kept,
                                reinterpret_cast<uint16_t*>(dst));
       }
+#endif
     }
   });
 }
@@ -517,7 +556,7 @@ void check_common(const at::Tensor& values, const at::Tensor& meta, int n, int m
 }  // namespace
 
 at::Tensor nm_linear(const at::Tensor& x_in, const at::Tensor& values_in, const at::Tensor& meta_in, int64_t n,
-                     int64_t m, const c10::optional<at::Tensor>& bias) {
+                     int64_t m, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "nm_linear: x must be a CPU tensor [..., in]");
   const at::Tensor x = x_in.contiguous(), values = values_in.contiguous(), meta = meta_in.contiguous();
   const int64_t K = x.size(-1);
@@ -525,15 +564,18 @@ at::Tensor nm_linear(const at::Tensor& x_in, const at::Tensor& values_in, const 
   TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear: x and values must share a dtype");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == values.size(0) &&
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->numel() == values.size(0) &&
                     bias->scalar_type() == values.scalar_type(),
                 "nm_linear: bias must be contiguous [out] in the values' dtype");
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = values.size(0);
+  if (K == 0 || x.numel() == 0 || values.size(0) == 0) {  // an empty sum: the bias alone, or zeros
+    at::Tensor y = at::zeros(shape, x.options());
+    return has_bias ? y.add_(*bias) : y;
+  }
   at::Tensor y = at::empty(shape, x.options());
-  const int64_t tokens = K ? x.numel() / K : 0;
-  if (tokens == 0 || values.size(0) == 0) return y;
+  const int64_t tokens = x.numel() / K;
   switch (x.scalar_type()) {
 #define HF_MASKLLM_LINEAR(scalar_t)                                                                    \
   linear_impl<scalar_t>(x.data_ptr<scalar_t>(), tokens, K, values, meta, static_cast<int>(n), static_cast<int>(m), \
@@ -550,7 +592,7 @@ at::Tensor nm_linear(const at::Tensor& x_in, const at::Tensor& values_in, const 
 at::Tensor nm_expand(const at::Tensor& values, const at::Tensor& meta, int64_t n, int64_t m, int64_t in_features,
                      at::Tensor dense) {
   check_common(values, meta, static_cast<int>(n), static_cast<int>(m), in_features);
-  TORCH_CHECK(dense.is_contiguous() && dense.scalar_type() == values.scalar_type() && dense.dim() == 2 &&
+  TORCH_CHECK(dense.device().is_cpu() && dense.is_contiguous() && dense.scalar_type() == values.scalar_type() && dense.dim() == 2 &&
                   dense.size(0) == values.size(0) && dense.size(1) == in_features,
               "nm_expand: the output must be contiguous [out, in_features] in the values' dtype");
   switch (values.scalar_type()) {
@@ -564,15 +606,20 @@ at::Tensor nm_expand(const at::Tensor& values, const at::Tensor& meta, int64_t n
 
 // Use at most `level` (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 with BF16); returns the level in use.
 int64_t set_isa(int64_t level) {
-  g_isa = std::min<int>(static_cast<int>(level), supported_isa());
-  return g_isa;
+  TORCH_CHECK(level >= kScalar && level <= kAvx512Bf16, "set_isa: level must be 0 to 3");
+  const int isa = std::min<int>(static_cast<int>(level), supported_isa());
+  g_isa.store(isa, std::memory_order_relaxed);
+  return isa;
 }
 
 int64_t isa() { return current_isa(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("nm_linear", &nm_linear, "N:M sparse linear from the compressed weight (decode, small batches)");
-  module.def("nm_expand", &nm_expand, "Expand the compressed weight into a dense buffer");
+  // The kernels touch no Python object: other Python threads run meanwhile.
+  module.def("nm_linear", &nm_linear, "N:M sparse linear from the compressed weight (decode, small batches)",
+             py::call_guard<py::gil_scoped_release>());
+  module.def("nm_expand", &nm_expand, "Expand the compressed weight into a dense buffer",
+             py::call_guard<py::gil_scoped_release>());
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");
   module.def("isa", &isa, "The instruction-set level in use");
 }
