@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from run_info import header_lines, rss_peak_bytes, run_info
+from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = (
@@ -51,14 +51,6 @@ PROMPT = (
 )
 VARIANTS = ("dense", "compressed", "compressed, dense cache")
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def held_bytes(model: torch.nn.Module) -> int:

@@ -104,14 +104,25 @@ def header_lines(info: dict) -> list[str]:
     ]
 
 
-def rss_peak_bytes() -> int:
-    """This process's peak resident set size since it started (or exec'd: ``VmHWM``, unlike
-    ``ru_maxrss``, which Linux carries over from the parent across ``exec``)."""
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (``None`` where there is no such file)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    return _status_bytes("VmRSS") or 0
+
+
+def rss_peak_bytes() -> int:
+    """This process's peak resident set size since it started (or exec'd: ``VmHWM``, unlike
+    ``ru_maxrss``, which Linux carries over from the parent across ``exec``)."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
