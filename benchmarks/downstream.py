@@ -53,10 +53,10 @@ import torch
 import hf_maskllm
 from hf_maskllm import MaskConfig, MaskModel, get_mask_model
 from hf_maskllm.adapters.mask_file import MASKS_NAME
-from hf_maskllm.adapters.sampling import hard_indices
 from hf_maskllm.data import calibration_tokens, causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
+from hf_maskllm.numerics.sampling import hard_indices
 from hf_maskllm.perplexity import evaluate_perplexity
 
 HELDOUT_EVERY = 5

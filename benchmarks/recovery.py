@@ -119,7 +119,7 @@ def _train_row(
 
     from hf_maskllm.data import causal_lm_dataset
     from hf_maskllm.embedded import load_smollm2
-    from hf_maskllm.sparse import SparseLinear
+    from hf_maskllm.sparse import SparseLinear, register_lora
 
     tokenizer = load_smollm2()[1]
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
@@ -130,7 +130,7 @@ def _train_row(
     loaded = AutoModelForCausalLM.from_pretrained(tmp / start_from)
     if key == "lora":  # PEFT's own get_peft_model / merge_and_unload on the loaded compressed model
         config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=PROJ)
-        peft_model = get_peft_model(loaded, config)
+        peft_model = get_peft_model(loaded, register_lora(config))
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         trainer, seconds = _fit(peft_model, train, args.lora_lr, key, args, tmp)
         state = _state_per_weight(peft_model, trainer, masked_weights)

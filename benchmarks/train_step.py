@@ -86,9 +86,9 @@ class StepTimer:
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.sync()
-        layer = next(iter(model.masked_layers().values()))
+        schedule = model.schedule
         self.steps.append(
-            {"seconds": time.perf_counter() - self._start, "tau": layer.tau, "kappa": layer.kappa}
+            {"seconds": time.perf_counter() - self._start, "tau": schedule.tau, "kappa": schedule.kappa}
         )
 
     def __getattr__(self, name):  # every other TrainerCallback event: nothing to do
@@ -143,7 +143,6 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
-        mask_model.sparse_reg_weight = config.sparse_reg
         compiled = mode != "masked-eager"
         mask_model.set_compiled_sampling(compiled)
         mask_model.set_recompute_sampling(True if mode == "masked-recompute" else None)
@@ -163,7 +162,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
 
         taus = [float(t) for t in args.taus.split(",")]
         for tau in taus[:1] + taus[-1:]:  # warm-up, compilation
-            mask_model.set_schedule_values(tau, kappa_at(tau, config))
+            mask_model.set_schedule_values(tau, kappa_at(tau, config), config.sparse_reg)
             masked_step()
             log(f"{mode}: warm-up step at tau {tau:g} done")
         dense_in_place()
@@ -172,7 +171,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         for _ in range(args.repeats):  # interleaved: dense, then every point of the schedule
             for tau in taus:
                 dense.append(timed(dense_in_place))
-                mask_model.set_schedule_values(tau, kappa_at(tau, config))
+                mask_model.set_schedule_values(tau, kappa_at(tau, config), config.sparse_reg)
                 points[tau].append(timed(masked_step))
                 log(f"{mode}: tau {tau:g}: dense {dense[-1]:.2f} s, masked {points[tau][-1]:.2f} s")
         result["dense"] = dense

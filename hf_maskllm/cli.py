@@ -125,8 +125,7 @@ def _continue(model, tokenizer, dense: bool = False) -> list[str]:
 def learn(args: argparse.Namespace) -> dict:
     """Run the main job; returns the results it prints and saves."""
     from . import MaskConfig, check_nm, get_mask_model
-    from .adapters.named_masks import check_mask_name
-    from .adapters.save_and_load import mask_folder
+    from .adapters.save_and_load import check_mask_name, mask_folder
     from .data import calibration_tokens, causal_lm_dataset
     from .learn import learn_mask
     from .serialization import save_json

@@ -18,6 +18,7 @@ from transformers import Trainer, default_data_collator
 
 from .adapters.callback import MaskAnnealCallback
 from .adapters.model import MaskModel
+from .errors import ConfigError
 from .optim import MaskAdamW, compiler_available
 from .training_args import MaskTrainingArguments
 
@@ -48,8 +49,8 @@ def learn_mask(
     logits); ``optimizer_cls_and_kwargs`` replaces it (as in ``Trainer``; e.g. ``(torch.optim.AdamW,
     {"lr": 5e-4, "betas": (0.9, 0.95)})`` for the reference setting with fp32 logits).
     ``compile_sampling`` fuses the mask sampling with ``torch.compile`` (default: when a compiler is
-    available; see ``benchmarks/train_step.py``). ``callbacks`` are added after the built-in
-    :class:`MaskAnnealCallback` (one passed there is not added twice). Extra keyword arguments go to
+    available; see ``benchmarks/train_step.py``). ``callbacks`` join the Trainer's; a
+    :class:`MaskAnnealCallback` among them is used (with its settings) instead of a default one. Extra keyword arguments go to
     :class:`transformers.TrainingArguments` and override the recipe.
     """
     use_cuda = torch.cuda.is_available()
@@ -73,28 +74,41 @@ def learn_mask(
     if "fp16" not in training_args:
         settings["bf16"] = bf16
     args = MaskTrainingArguments(**{**settings, **training_args})  # the caller's TrainingArguments win
+    callbacks = list(callbacks or [])
+    anneal = [cb for cb in callbacks if isinstance(cb, MaskAnnealCallback)]
+    if len(anneal) > 1:
+        raise ConfigError("callbacks holds more than one MaskAnnealCallback; pass one.")
+    if anneal:  # the caller's own, with its settings (check_recipe, log_mask_stats, compile_sampling)
+        theirs = anneal[0].compile_sampling
+        if compile_sampling is not None and theirs != compile_sampling:
+            raise ConfigError(
+                f"compile_sampling={compile_sampling} but the MaskAnnealCallback in callbacks has "
+                f"compile_sampling={theirs}; pass it to MaskAnnealCallback(compile_sampling=...) alone."
+            )
+        compile_sampling = theirs
     if compile_sampling and not compiler_available():
         warnings.warn(
             "No C++ compiler found: torch.compile cannot fuse mask sampling on CPU; using eager.",
             stacklevel=2,
         )
         compile_sampling = False
+    if not anneal:
+        callbacks.insert(0, MaskAnnealCallback(compile_sampling=compile_sampling))
     if optimizer_cls_and_kwargs is None:
         optimizer_kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
         optimizer_kwargs["eps"] = args.adam_epsilon
-        if compile_sampling is not None:
+        if compile_sampling is not None:  # the optimizer's update compiles when the sampling does
             optimizer_kwargs["compile"] = compile_sampling
         optimizer_cls_and_kwargs = (MaskAdamW, optimizer_kwargs)
-    extra = [cb for cb in (callbacks or []) if not isinstance(cb, MaskAnnealCallback)]
     trainer = Trainer(
         model=mask_model,
         args=args,
         train_dataset=train_dataset,
         data_collator=default_data_collator,
-        callbacks=[MaskAnnealCallback(compile_sampling=compile_sampling), *extra],
+        callbacks=callbacks,
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
     )
-    previous = any(layer.compiled_sampling for layer in mask_model.masked_layers().values())
+    previous = mask_model.schedule.compiled_sampling
     try:
         trainer.train()  # MaskAnnealCallback puts the model in eval mode at the end
     finally:  # the callback restores it at the end of training, but not when training raises

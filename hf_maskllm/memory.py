@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .adapters.layer import MaskedLinear
 from .optim import local_shard
 
 __all__ = ["training_state_bytes"]
@@ -40,11 +41,7 @@ def training_state_bytes(
     state = 0
     for per_param in optimizer.state.values():
         state += sum(_nbytes(t) for t in per_param.values() if isinstance(t, torch.Tensor))
-    caches = 0
-    for module in model.modules():
-        cached = getattr(module, "_cached_mask", None)
-        if isinstance(cached, torch.Tensor):
-            caches += _nbytes(cached)
+    caches = sum(module.cached_bytes() for module in model.modules() if isinstance(module, MaskedLinear))
     sizes = {
         "params": sum(_nbytes(p) for p in params),
         "grads": sum(_nbytes(p.grad) if p.grad is not None else _nbytes(p) for p in params),

@@ -44,9 +44,9 @@ try:  # FSDP2 shards parameters as DTensors; builds without torch.distributed ha
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = Shard = type("_Absent", (), {})
-from .adapters.denormals import FLOAT32_TINY
-from .adapters.sampling import hash_index
 from .errors import ConfigError
+from .numerics.denormals import FLOAT32_TINY
+from .numerics.sampling import hash_index
 
 __all__ = ["MaskAdamW", "compiler_available", "local_shard"]
 

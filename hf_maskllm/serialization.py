@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import MaskLLMError
+from .hub import is_hub_repo_id
 
 __all__ = [
     "atomic_folder",
@@ -300,7 +301,7 @@ def load_safetensors(
     path: str | os.PathLike, error: type[MaskLLMError] = MaskLLMError, what: str = "safetensors file"
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file into CPU tensors and its metadata; refuses pickles and corrupt files."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     refuse_pickle(path, error, what)
@@ -310,10 +311,8 @@ def load_safetensors(
             metadata = dict(f.metadata() or {})
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
-    except Exception as e:  # safetensors raises several types for corrupt headers / truncation
-        raise error(
-            f"{what} {path} is corrupt or truncated ({type(e).__name__}: {e}); save it again."
-        ) from None
+    except SafetensorError as e:  # its parse errors: a bad header, a length that does not match the file
+        raise error(f"{what} {path} is corrupt or truncated ({e}); save it again.") from e
     return tensors, metadata
 
 
@@ -381,6 +380,11 @@ def stored_checksums(
     return expected
 
 
+# What reading a safetensors header by hand raises when the header is malformed: a short length field,
+# text that is not JSON, an entry without `data_offsets`, `dtype` or `shape`, or of the wrong kind.
+_CORRUPT_HEADER = (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError)
+
+
 def verify_safetensors(
     path: str | os.PathLike,
     checksum_key: str,
@@ -393,7 +397,7 @@ def verify_safetensors(
     differ from what was saved. Reads the file once (memory-mapped, no tensor is built). Returns
     ``{name: (dtype, shape, crc32)}`` and the metadata.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     refuse_pickle(path, error, what)
@@ -414,10 +418,10 @@ def verify_safetensors(
                     entries[name] = (str(info["dtype"]), [int(d) for d in info["shape"]], actual[name])
             finally:
                 view.release()
-    except Exception as e:  # safetensors raises several types for corrupt headers / truncation
+    except _CORRUPT_HEADER + (SafetensorError,) as e:
         raise error(
             f"{what} {path} is corrupt or truncated ({type(e).__name__}: {e}); save or download it again."
-        ) from None
+        ) from e
     expected = stored_checksums(metadata, checksum_key, path, error, what)
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing or extra:
@@ -432,11 +436,6 @@ def verify_safetensors(
             "or shape changed); the file is corrupt. Save or download it again."
         )
     return entries, metadata
-
-
-def _looks_like_repo_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) <= 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
 def resolve_folder(
@@ -461,7 +460,7 @@ def resolve_folder(
             )
         return path
     name = str(name_or_path)
-    if not _looks_like_repo_id(name):
+    if not is_hub_repo_id(name):
         raise error(
             f"{what} {name!r} is neither an existing folder nor a Hub repo id ('user/name'); check the path."
         )
@@ -492,11 +491,12 @@ def resolve_folder(
             f"{what} {name!r} is not a local folder and is not in the Hub cache, and the Hub cannot be reached "
             "(HF_HUB_OFFLINE is set or there is no network). Pass a local folder or go online."
         ) from None
-    except (HfHubHTTPError, OSError) as e:
+    # Only the Hub's and the network's errors: a full disk or an unwritable cache raises as itself.
+    except (HfHubHTTPError, ConnectionError, TimeoutError) as e:
         raise error(
             f"Could not download {name!r} from the Hub ({type(e).__name__}: {e}); check the network and the repo "
             "id, or pass a local folder."
-        ) from None
+        ) from e
     local_path = Path(local)
     missing = [f for f in required if not (local_path / f).is_file()]
     if missing:

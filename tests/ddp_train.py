@@ -59,12 +59,12 @@ def main(out: str, named: bool = False) -> None:
         )
         tensors.update(
             {
-                f"default.{k}.logits": v.detach().contiguous()
-                for k, v in mask_model._masks["default"].logits.items()
+                f"default.{k}.logits": layer.get_logits("default").detach().contiguous()
+                for k, layer in mask_model.masked_layers().items()
             }
         )
     # the same global seed on every rank (as the Trainer sets it), yet each rank's Gumbel noise is its own
-    from hf_maskllm.adapters.sampling import sample_soft_mask
+    from hf_maskllm.numerics.sampling import sample_soft_mask
     from hf_maskllm.patterns import candidate_patterns
 
     torch.manual_seed(0)

@@ -1,4 +1,7 @@
-"""Distributed training through a plain Trainer (torchrun, gloo on CPU): DDP replicas agree; FSDP2 shards the logits."""
+"""Distributed training through a plain Trainer (torchrun, gloo on CPU): DDP replicas agree; FSDP2 shards the logits.
+
+The save recipe of the main process (a gathered state dict) is checked in one process: adapters/test_save_and_load.py.
+"""
 
 from __future__ import annotations
 
@@ -53,13 +56,12 @@ def test_ddp_ranks_sample_their_own_noise_and_train_the_active_named_mask_only(t
 
     init = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
     init.add_mask("task", MaskConfig(prior="magnitude", prior_strength=2.0))
-    task_init = init._masks["task"].logits
     for name, layer in init.masked_layers().items():
         # the inactive default mask is bit-identical to its initialisation
         assert torch.equal(layer.mask_logits.detach(), ranks[0][f"default.{name}.logits"]), name
         assert torch.equal(init.hard_masks()[name].to(torch.uint8), ranks[0][f"default.{name}.mask"]), name
         # the active task mask trained
-        assert not torch.equal(task_init[name].detach(), ranks[0][f"{name}.logits"]), name
+        assert not torch.equal(layer.get_logits("task").detach(), ranks[0][f"{name}.logits"]), name
 
 
 # ---------------------------------------------------------------------------------------------- FSDP
@@ -224,31 +226,3 @@ def test_ddp_replicas_stay_identical_with_mask_adamw(ddp_run):
     for name in replicas[0]:
         assert not torch.equal(replicas[0][name], initial[f"{name}.logits"])
         assert torch.equal(replicas[0][name], replicas[1][name]), name
-
-
-# ---------------------------------------------------------------------------------------------- save from a state dict
-def test_save_pretrained_from_a_gathered_state_dict(tmp_path):
-    """What the main process does under FSDP: save the logits of a (gathered) state dict, not the layers' own."""
-    from models import tiny_llama
-
-    from hf_maskllm import MaskConfig, MaskModel, get_mask_model
-    from hf_maskllm.errors import ConfigError
-
-    mm = get_mask_model(tiny_llama(seed=0), MaskConfig(prior="magnitude"))
-    state_dict = {k: v.clone() for k, v in mm.state_dict().items()}
-    name = mm.masked_names[0]
-    key = f"base_model.{name}.mask_logits"
-    state_dict[key] = -state_dict[key]  # other logits than the layer's: the saved mask must follow them
-    mm.save_pretrained(tmp_path / "mask", state_dict=state_dict, save_logits=True)
-    loaded = MaskModel.from_pretrained(tiny_llama(seed=0), tmp_path / "mask")
-    for layer_name, layer in loaded.masked_layers().items():
-        assert torch.equal(layer.mask_logits, state_dict[f"base_model.{layer_name}.mask_logits"])
-    assert not torch.equal(loaded.hard_masks()[name], mm.hard_masks()[name])
-
-    with pytest.raises(ConfigError, match="lacks"):
-        mm.save_pretrained(tmp_path / "missing", state_dict={k: v for k, v in state_dict.items() if k != key})
-    with pytest.raises(ConfigError, match="one shard"):
-        mm.save_pretrained(tmp_path / "shard", state_dict={**state_dict, key: state_dict[key][:8]})
-    with pytest.raises(ConfigError, match="mask saves only"):
-        mm.save_pretrained(tmp_path / "merged", merged=True, state_dict=state_dict)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mask"]

@@ -46,10 +46,21 @@ def break_one_mask(mm: MaskModel) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- exports
+def packed_mask_model(tmp_path) -> MaskModel:
+    """A model whose "default" mask is held as a packed hard mask (a loaded, frozen, inactive mask): saving it
+    writes its hard indices as they are, not an argmax of logits."""
+    mask_model().save_pretrained(tmp_path / "source")
+    mm = MaskModel.from_pretrained(tiny_llama(), tmp_path / "source")
+    mm.add_mask("other", MaskConfig())
+    mm.set_mask("other")
+    assert mm.mask_state("default").state == "packed"
+    return mm
+
+
 @pytest.mark.parametrize("problem", ["index-out-of-range", "wrong-group-count"])
 def test_mask_save_verifies_indices_before_writing(tmp_path, problem):
-    mm = mask_model()
-    good = mm.hard_indices()
+    mm = packed_mask_model(tmp_path)
+    good = mm.hard_indices("default")
     name = mm.masked_names[0]
     bad = dict(good)
     if problem == "index-out-of-range":
@@ -57,20 +68,20 @@ def test_mask_save_verifies_indices_before_writing(tmp_path, problem):
         bad[name][7] = math.comb(4, 2)  # candidate 6 of 0..5 does not exist
     else:
         bad[name] = good[name][:-1]
-    mm.hard_indices = lambda: bad
+    mm.hard_indices = lambda mask_name=None: bad
     with pytest.raises(NMViolationError, match=name):
-        mm.save_pretrained(tmp_path / "mask")
+        mm.save_pretrained(tmp_path / "mask", selected_masks=["default"])
     assert not (tmp_path / "mask").exists()
-    assert list(tmp_path.iterdir()) == []  # no temporary left either
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # no temporary left either
 
 
-def test_push_to_hub_verifies_before_creating_the_repo(local_hub):
-    mm = mask_model()
-    bad = mm.hard_indices()
+def test_push_to_hub_verifies_before_creating_the_repo(local_hub, tmp_path):
+    mm = packed_mask_model(tmp_path)
+    bad = mm.hard_indices("default")
     bad[mm.masked_names[0]][0] = 99
-    mm.hard_indices = lambda: bad
+    mm.hard_indices = lambda mask_name=None: bad
     with pytest.raises(NMViolationError):
-        mm.push_to_hub("user/broken-mask")
+        mm.push_to_hub("user/broken-mask", selected_masks=["default"])
     assert not local_hub.repo_exists("user/broken-mask")
 
 
@@ -92,7 +103,7 @@ def test_merge_and_unload_verifies_every_mask_before_writing_any_weight():
         mm.merge_and_unload()
     dense = tiny_llama().state_dict()  # the same seeded weights
     for key, value in mm.base_model.state_dict().items():
-        if not key.endswith("mask_logits"):
+        if ".logits." not in key:  # the mask's own tensors are not base weights
             assert torch.equal(value, dense[key.replace(".base_layer.", ".")]), key  # nothing was written
     check_nm(mask_model().merge_and_unload())  # the normal path still merges to exact N:M
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
-from test_training import TokenDataset, cyclic_language, training_args
+from trainer_helpers import TokenDataset, cyclic_language, training_args
 from transformers import Trainer
 
 from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, get_mask_model
@@ -120,7 +120,7 @@ def test_compact_per_logit_second_moment_is_close_and_unbiased(bits, dtype, max_
 def test_8bit_second_moment_format():
     """Every code decodes to a float32 that encodes back to itself; rounding between neighbours is
     unbiased (16 random bits); below the range is its floor (the root stays below eps), above it its top."""
-    from hf_maskllm.adapters.sampling import seed_tensor
+    from hf_maskllm.numerics.sampling import seed_tensor
     from hf_maskllm.optim import V8_MIN_EXP, _decode_v8, _encode_v8, _random_bits
 
     def encode(v: torch.Tensor, seed: int) -> torch.Tensor:
@@ -282,7 +282,7 @@ def test_compiled_update_compiles_once_whatever_the_learning_rate_and_step():
 def test_candidate_major_and_row_major_logits_update_bit_identically(compile, second_moment):
     """Masked layers store logits candidate-major, FSDP2 shards hold them row-major: every element
     draws the same rounding bits in both layouts, so both take exactly the same steps."""
-    from hf_maskllm.adapters.fused_linear import candidate_major
+    from hf_maskllm.numerics.fused_linear import candidate_major
 
     torch.manual_seed(0)
     p0 = (torch.randn(512, 6) * 0.05).to(torch.bfloat16)

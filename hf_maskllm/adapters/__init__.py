@@ -1,4 +1,4 @@
-"""Learnable N:M mask adapters (PEFT-style): config, layer, model with named masks, callback."""
+"""Learnable N:M mask adapters (PEFT-style): config, layer, model with named masks, schedule, callback."""
 
 from .callback import MaskAnnealCallback
 from .config import MaskConfig
@@ -6,5 +6,14 @@ from .layer import MaskedLinear
 from .mapping import get_mask_model
 from .model import MaskModel
 from .named_masks import MaskState
+from .schedule import MaskSchedule
 
-__all__ = ["MaskAnnealCallback", "MaskConfig", "MaskModel", "MaskState", "MaskedLinear", "get_mask_model"]
+__all__ = [
+    "MaskAnnealCallback",
+    "MaskConfig",
+    "MaskModel",
+    "MaskSchedule",
+    "MaskState",
+    "MaskedLinear",
+    "get_mask_model",
+]

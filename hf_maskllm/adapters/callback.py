@@ -19,14 +19,14 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import MaskLLMError
+from ..numerics.denormals import LN_FLOAT32_TINY
+from ..numerics.fused_linear import scalar_tensor
+from ..numerics.sampling import hard_indices, max_probability
 from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
 from ..training_args import recipe_departures
-from .denormals import LN_FLOAT32_TINY
-from .fused_linear import scalar_tensor
 from .model import MaskModel
-from .sampling import hard_indices, max_probability
-from .schedules import schedule_value
+from .schedule import schedule_value
 
 __all__ = ["MaskAnnealCallback", "find_mask_model"]
 
@@ -168,7 +168,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             on the step before a log, one on the logged step). Keeps each group's hard choice as one
             byte (0.25 bytes per masked 2:4 weight) across the step before each log.
         compile_sampling: Fuse the mask sampling with ``torch.compile`` during training (see
-            ``adapters/fused_linear.py``); default: when a C++ compiler (CPU) or CUDA is available.
+            ``numerics/fused_linear.py``); default: when a C++ compiler (CPU) or CUDA is available.
             ``False`` skips the compilation (about a minute on CPU) at some cost per step.
         check_recipe: Warn about departures from the recipe (``False`` when they are deliberate).
     """
@@ -210,8 +210,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         progress = global_step / max_steps if max_steps and max_steps > 0 else 0.0
         self.tau = schedule_value(cfg.tau[0], cfg.tau[1], progress, cfg.tau_schedule)
         self.kappa = schedule_value(cfg.kappa[0], cfg.kappa[1], progress, cfg.kappa_schedule)
-        mask_model.set_schedule_values(self.tau, self.kappa)
-        mask_model.sparse_reg_weight = cfg.sparse_reg * max(0.0, 1.0 - progress)
+        mask_model.set_schedule_values(self.tau, self.kappa, cfg.sparse_reg * max(0.0, 1.0 - progress))
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Before the Trainer builds its optimizer or wraps the model: the fast layout of the logits,
@@ -236,7 +235,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         # average_tokens_across_devices) leaves it per process: it multiplies it by the process count before
         # DDP averages. The regulariser rides in that loss, so undo both to keep its weight per update fixed.
         processes = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
-        mask_model.grad_accum_steps = max(1, int(args.gradient_accumulation_steps)) * max(1, processes)
+        mask_model.schedule.update(
+            reg_divisor=max(1, int(args.gradient_accumulation_steps)) * max(1, processes), last_reg_loss=None
+        )
         self._apply(mask_model, state.global_step, state.max_steps)
         self._previous, self._held_peak = {}, 0
         if self.log_mask_stats and _logs_next_step(args, state):
@@ -389,7 +390,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         if self.last_max_prob is not None:
             extra["mask_max_prob"] = self.last_max_prob
         model = kwargs.get("model")
-        term = find_mask_model(model).last_sparse_reg_term if model is not None else None
+        term = find_mask_model(model).schedule.last_reg_loss if model is not None else None
         if term is not None and "loss" in logs:
             # The regulariser's value (last micro-batch); its gradient trains the logits, while `loss`
             # stays the language-model loss that runs can be compared by.

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
-__all__ = ["is_hub_repo_id", "mask_model_card"]
+from ..hub import is_hub_repo_id
 
-
-def is_hub_repo_id(name: str) -> bool:
-    """``name`` or ``user/name`` that is not an existing local path: what a card's ``base_model`` may hold."""
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith((".", "-")) or ".." in name:
-        return False
-    return not Path(name).expanduser().exists()
+__all__ = ["mask_model_card"]
 
 
 def mask_model_card(

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MaskFileError
+from ..hub import is_hub_repo_id
 from ..patterns import check_nm_args, num_candidates
+from ..priors.calibration import PRIOR_METHODS
 from ..serialization import load_json, resolve_folder, save_json
 
 __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MaskConfig"]
@@ -20,7 +22,6 @@ CONFIG_NAME = "mask_config.json"
 FORMAT_VERSION = 1
 SCHEDULES = ("linear", "cosine", "exponential")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
-PRIOR_METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
 @dataclass
@@ -178,7 +179,7 @@ class MaskConfig:
         network error that never lists the methods.
         """
         for prior in self.prior_sources:
-            if prior in PRIOR_METHODS or "/" in prior or os.path.exists(prior):
+            if prior in PRIOR_METHODS or os.path.exists(prior) or is_hub_repo_id(prior):
                 continue
             close = difflib.get_close_matches(prior.lower(), PRIOR_METHODS, n=1, cutoff=0.6)
             hint = f" Did you mean prior={close[0]!r}?" if close else ""
@@ -218,7 +219,7 @@ class MaskConfig:
         try:
             return cls(**data)
         except TypeError as e:  # e.g. a list where a number is expected makes a comparison fail
-            raise ConfigError(f"Invalid MaskConfig value: {e}") from None
+            raise ConfigError(f"Invalid MaskConfig value: {e}") from e
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write ``mask_config.json`` (atomically) into ``save_directory``."""
@@ -251,7 +252,7 @@ class MaskConfig:
         try:
             return cls.from_dict(data, require_all=True)
         except ConfigError as e:
-            raise MaskFileError(f"{folder / CONFIG_NAME}: {e}") from None
+            raise MaskFileError(f"{folder / CONFIG_NAME}: {e}") from e
 
 
 def _is_number(value: object) -> bool:
@@ -268,7 +269,7 @@ def _check_targets(name: str, value: object, allow_none: bool) -> None:
             try:
                 re.compile(value)
             except re.error as e:
-                raise ConfigError(f"`{name}` {value!r} is not a valid regular expression: {e}.") from None
+                raise ConfigError(f"`{name}` {value!r} is not a valid regular expression: {e}.") from e
         return
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
         return

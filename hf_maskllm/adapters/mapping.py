@@ -1,8 +1,8 @@
 """``get_mask_model``: wrap a model with mask adapters, initialising the logits from a prior.
 
-Like PEFT's ``mapping.py``: the entry point that resolves the config's prior (a one-shot method
-on calibration data, or a saved mask for transfer learning; ``prior_init.py``) and builds the
-:class:`MaskModel`.
+Like PEFT's ``mapping.py``: the entry point that builds the :class:`MaskModel`, whose first mask starts
+from the config's prior (a one-shot method on calibration data, or a saved mask for transfer learning;
+``prior_init.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from torch import nn
 from ..errors import ConfigError
 from .config import MaskConfig
 from .model import MaskModel
-from .named_masks import DEFAULT_MASK_NAME, check_mask_name
-from .prior_init import prior_masks
-from .targets import find_targets
+from .save_and_load import DEFAULT_MASK_NAME
 
 __all__ = ["get_mask_model"]
 
@@ -39,11 +37,6 @@ def get_mask_model(
     config = MaskConfig() if config is None else config
     if not isinstance(config, MaskConfig):
         raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
-    config.validate()
-    check_mask_name(mask_name)
-    targets = find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
-    masks = prior_masks(model, config, targets, calibration_data, tokenizer)
-    mask_model = MaskModel(model, config, targets, mask_name=mask_name)
-    if masks is not None:
-        mask_model.apply_prior(masks)
-    return mask_model
+    return MaskModel(
+        model, config, mask_name=mask_name, calibration_data=calibration_data, tokenizer=tokenizer
+    )

@@ -100,10 +100,19 @@ def load_mask_config(folder: Path) -> MaskConfig:
     try:
         return MaskConfig.from_pretrained(folder)
     except MaskFileError as e:
-        message = str(e)
-        if "save" in message.lower() or "upgrade" in message.lower():
-            raise
-        raise MaskFileError(f"{message} Fix {CONFIG_NAME}, or save the mask again.") from None
+        if not _values_at_fault(folder / CONFIG_NAME):
+            raise  # missing, not JSON, or written by a newer hf_maskllm: the message names the fix
+        raise MaskFileError(f"{e} Fix {CONFIG_NAME}, or save the mask again.") from None
+
+
+def _values_at_fault(path: Path) -> bool:
+    """Whether ``path`` is JSON of a format version this hf_maskllm reads, so that a failed load is its values' fault."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the reader's own error says what is wrong with the file
+        return False
+    version = data.get("format_version") if isinstance(data, dict) else None
+    return not (isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION)
 
 
 def _check_header(path: Path, metadata: dict[str, str], n: int, m: int) -> None:

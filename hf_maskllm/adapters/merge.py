@@ -11,7 +11,6 @@ from torch import nn
 from ..errors import NMViolationError
 from ..modules import dense_weight_view, is_conv1d
 from .layer import MaskedLinear
-from .wrapping import replace_module
 
 __all__ = ["check_hard_masks", "merge_layers", "merged_view"]
 
@@ -32,7 +31,7 @@ def merge_layers(model: nn.Module, layers: dict[str, MaskedLinear], n: int, m: i
     """Write ``W * hard_mask`` into every masked layer's base weight and put the plain layer back in ``model``."""
     check_hard_masks(layers, n, m)
     for name, layer in layers.items():
-        replace_module(model, name, layer.merge())
+        model.set_submodule(name, layer.merge())
     return model
 
 
@@ -46,10 +45,10 @@ def merged_view(model: nn.Module, layers: dict[str, MaskedLinear]) -> Iterator[n
             originals[name] = base.weight.data
             masked = dense_weight_view(base) * layer.hard_mask().to(base.weight.dtype)  # [out, in]
             base.weight.data = masked.t().contiguous() if is_conv1d(base) else masked
-            replace_module(model, name, base)
+            model.set_submodule(name, base)
         yield model
     finally:
         for name, layer in layers.items():
             if name in originals:
                 layer.base_layer.weight.data = originals[name]
-            replace_module(model, name, layer)
+            model.set_submodule(name, layer)

@@ -1,51 +1,60 @@
 """``MaskModel``: a transformers model with named N:M masks over its linear layers (PEFT's multi-adapter API).
 
 The wrapper holds the transformers model as ``base_model``, swaps each targeted layer for a
-:class:`MaskedLinear` in place (``wrapping.py``) and forwards every other attribute. It holds one or
-more named masks over the same layers (``named_masks.py``: the API and the states of a mask); the active one's logits are the layers'
-``mask_logits``. Priors: ``prior_init.py``; saving and loading: ``save_and_load.py``; merging: ``merge.py``.
+:class:`MaskedLinear` in place (``wrapping.py``) and forwards every other attribute. The masked layers
+own the tensors of every named mask; the model owns what is per mask (``named_masks.py``) and the
+training schedule every layer reads (``schedule.py``). Priors: ``prior_init.py``; saving and loading:
+``save_and_load.py``; merging: ``merge.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import tempfile
-import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
-from ..modules import dense_weight_view
 from .config import MaskConfig
-from .layer import MaskedLinear
+from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
-from .named_masks import DEFAULT_MASK_NAME, NamedMask, NamedMasksMixin, check_mask_name
-from .prior_init import prior_logits, random_logits
-from .save_and_load import (
-    logits_from_saved,
-    read_config,
-    read_saved_mask,
-    resolve_mask_folder,
-    save_masks,
-)
+from .named_masks import NamedMasksMixin
+from .prior_init import apply_prior_rule
+from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, read_config, resolve_mask_folder, save_masks
+from .schedule import MaskSchedule
 from .targets import find_targets
-from .wrapping import wrap_layers
+from .wrapping import unwrapped, wrap_layers
 
 __all__ = ["MaskModel"]
+
+
+class _ForwardWithBaseSignature:
+    """``MaskModel.forward``, bound, with the signature of the base model's ``forward``: the Trainer keeps
+    only the dataset columns that the model's forward names (``Trainer._remove_unused_columns``)."""
+
+    def __get__(self, instance: MaskModel | None, owner: type) -> Callable[..., Any]:
+        if instance is None:
+            return owner._forward
+        bound = functools.partial(owner._forward, instance)
+        bound.__signature__ = instance._forward_signature()
+        bound.__doc__ = owner._forward.__doc__
+        return bound
 
 
 class MaskModel(NamedMasksMixin, nn.Module):
     """A transformers model whose targeted linears carry learnable N:M masks, one or more, by name.
 
-    The first mask is named ``"default"`` (``mask_name`` changes it). Only the active mask's logits
-    are parameters of the model: ``state_dict()`` holds just those (the frozen weights belong to the
-    base model, inactive masks are held aside), so Trainer checkpoints stay small and resume exactly.
+    The first mask is named ``"default"`` (``mask_name`` changes it) and starts from ``config.prior``
+    (``calibration_data`` / ``tokenizer`` for the data-driven ones, as in
+    :func:`~hf_maskllm.get_mask_model`). ``state_dict()`` holds the masks (logits and packed hard masks),
+    not the frozen weights of the base model, so Trainer checkpoints stay small and resume exactly.
     """
 
     def __init__(
@@ -54,24 +63,45 @@ class MaskModel(NamedMasksMixin, nn.Module):
         config: MaskConfig,
         targets: list[str] | None = None,
         mask_name: str = DEFAULT_MASK_NAME,
+        calibration_data: Any = None,
+        tokenizer: Any = None,
     ) -> None:
-        super().__init__()
+        check_mask_name(mask_name)
+        with self._wrapping(model, config, targets):
+            self.add_mask(mask_name, config, calibration_data, tokenizer)
+            self.set_mask(mask_name)
+
+    @contextlib.contextmanager
+    def _wrapping(self, model: nn.Module, config: MaskConfig, targets: list[str] | None) -> Iterator[None]:
+        """:meth:`_wrap`; when the first mask then fails to build, ``model`` gets its own layers and its
+        parameters' ``requires_grad`` back before the error propagates."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self._wrap(model, config, targets)
+        try:
+            yield
+        except BaseException:
+            for name in self.masked_names:
+                model.set_submodule(name, model.get_submodule(name).base_layer)
+            for p in trainable:
+                p.requires_grad_(True)
+            raise
+
+    def _wrap(self, model: nn.Module, config: MaskConfig, targets: list[str] | None) -> None:
+        """Wrap the targeted layers of ``model`` (frozen) in mask-less :class:`MaskedLinear` layers."""
+        nn.Module.__init__(self)
         if isinstance(model, MaskModel) or any(isinstance(mod, MaskedLinear) for mod in model.modules()):
             raise MaskLLMError(
                 "This model already carries mask adapters; pass the plain transformers model, or add another mask "
                 "to its MaskModel with add_mask / load_mask."
             )
-        check_mask_name(mask_name)
+        if not isinstance(config, MaskConfig):
+            raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
         config.validate()
-        if config.base_model_name_or_path is None:
-            config.base_model_name_or_path = (
-                getattr(getattr(model, "config", None), "_name_or_path", None) or None
-            )
         self.base_model = model
-        self.sparse_reg_weight = 0.0  # lambda * (1 - t/T); set by MaskAnnealCallback
-        self.grad_accum_steps = 1  # divisor of the regulariser, set by MaskAnnealCallback (see forward)
-        self.last_sparse_reg_term: torch.Tensor | None = None
+        self.schedule = MaskSchedule()
         self._merged = False
+        self._warned_unscheduled = False
+        self._init_named_masks()
         names = (
             targets
             if targets is not None
@@ -79,96 +109,69 @@ class MaskModel(NamedMasksMixin, nn.Module):
         )
         for p in model.parameters():
             p.requires_grad_(False)
-        shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in names}
-        wrap_layers(model, random_logits(config, shapes), config.n, config.m)
+        wrap_layers(model, names, config.n, config.m, self.schedule)
         self.masked_names = list(names)
-        layers = self.masked_layers()
-        self._masks: dict[str, NamedMask] = {
-            mask_name: NamedMask(config, trainable=True, logits={k: v.mask_logits for k, v in layers.items()})
-        }
-        self._active = mask_name
-        self._apply_schedule(config.tau[0], config.kappa[0])
-        self._schedule_driven = False  # set by set_schedule_values (MaskAnnealCallback calls it every step)
-        self._warned_unscheduled = False
-        # Trainer keeps only dataset columns named in forward's signature: show the base model's.
-        self._install_forward_signature()
 
     # ------------------------------------------------------------------ plumbing
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("base_model", "_modules", "_parameters", "_buffers", "_masks"):
+            if name in ("base_model", "_modules", "_parameters", "_buffers", "_mask_info"):
                 raise
             return getattr(self._modules["base_model"], name)
 
-    def _install_forward_signature(self) -> None:
-        base_sig = inspect.signature(self.base_model.forward)
-        func = types.FunctionType(
-            MaskModel._forward.__code__,
-            MaskModel._forward.__globals__,
-            "forward",
-            None,
-            MaskModel._forward.__closure__,
-        )
-        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        func.__signature__ = base_sig.replace(parameters=[self_param, *base_sig.parameters.values()])
-        func.__doc__ = MaskModel._forward.__doc__
-        self.__dict__["forward"] = types.MethodType(func, self)
+    def _forward_signature(self) -> inspect.Signature:
+        signature = self.__dict__.get("_signature")
+        if signature is None:
+            signature = self.__dict__["_signature"] = inspect.signature(self.base_model.forward)
+        return signature
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the base model with the active mask; in training the sparse weight regulariser joins the
-        gradient of ``loss`` while its value stays the language-model loss."""
-        track = self.training and self.sparse_reg_weight > 0
-        layers = list(self.masked_layers().values())
-        if (
-            self.training
-            and not self._schedule_driven
-            and not self._warned_unscheduled
-            and torch.is_grad_enabled()
-        ):
-            if any(layer.mask_logits.requires_grad for layer in layers):
+        gradient of ``loss`` while its value stays the language-model loss (the regulariser's value is
+        ``outputs.sparse_reg_loss``)."""
+        schedule = self.schedule
+        track = self.training and schedule.sparse_reg_weight > 0
+        if self.training and not schedule.driven and not self._warned_unscheduled and torch.is_grad_enabled():
+            if any(layer.mask_logits.requires_grad for layer in self.masked_layers().values()):
                 self._warned_unscheduled = True
                 warnings.warn(
                     "The masks are training without MaskAnnealCallback: tau stays at its start value "
-                    f"({layers[0].tau}), kappa at {layers[0].kappa}, there is no sparse weight regulariser and no mask "
-                    "statistics. Add callbacks=[MaskAnnealCallback()] to the Trainer (hf_maskllm.learn.learn_mask "
+                    f"({schedule.tau}), kappa at {schedule.kappa}, there is no sparse weight regulariser and no "
+                    "mask statistics. Add callbacks=[MaskAnnealCallback()] to the Trainer (hf_maskllm.learn.learn_mask "
                     "does), or call set_schedule_values(tau, kappa) in a custom training loop.",
                     stacklevel=2,
                 )
-        for layer in layers:
-            layer.track_sparse_reg = track
-            layer.last_sparse_reg = None
-        self.last_sparse_reg_term = None
+        if not track:
+            return self.base_model(*args, **kwargs)
         scaled_for_accumulation = kwargs.get("num_items_in_batch") is not None
-        outputs = self.base_model(*args, **kwargs)
-        if track and getattr(outputs, "loss", None) is not None:
-            regs = [layer.last_sparse_reg for layer in layers if layer.last_sparse_reg is not None]
-            trainable = any(layer.mask_logits.requires_grad for layer in layers)
+        with collect_regulariser() as regs:
+            outputs = self.base_model(*args, **kwargs)
+        if regs and getattr(outputs, "loss", None) is not None:
+            trainable = any(layer.mask_logits.requires_grad for layer in self.masked_layers().values())
             if torch.is_grad_enabled() and trainable and any(not r.requires_grad for r in regs):
                 warnings.warn(
                     "The sparse weight regulariser gets no gradient in some masked layers: they ran without "
                     "autograd (reentrant activation checkpointing?). Use non-reentrant checkpointing "
-                    "(activation_checkpointing_kwargs={'use_reentrant': False}, gradient_checkpointing_kwargs in older transformers; the default) or "
-                    "MaskConfig(sparse_reg=0).",
+                    "(activation_checkpointing_kwargs={'use_reentrant': False}, gradient_checkpointing_kwargs in "
+                    "older transformers; the default) or MaskConfig(sparse_reg=0).",
                     stacklevel=2,
                 )
-            if regs:
-                # -lambda * (1 - t/T) * sum ||W * mask||^2 (the paper's sparse weight regulariser). When the Trainer normalises the
-                # loss over the accumulated batch (num_items_in_batch) it no longer divides by the
-                # accumulation steps (and multiplies by the process count), so the callback sets the divisor.
-                divisor = self.grad_accum_steps if scaled_for_accumulation else 1
-                total = sum(r.to(outputs.loss.device) for r in regs)  # layers may sit on several devices
-                term = -self.sparse_reg_weight * total
-                self.last_sparse_reg_term = term.detach()  # logged by MaskAnnealCallback as sparse_reg_loss
-                # term - term.detach() is zero in value and carries the term's gradient: the logged loss is
-                # the language-model loss, the logits' gradient includes the regulariser.
-                outputs.loss = outputs.loss + (term - term.detach()).to(outputs.loss.dtype) / divisor
-            for layer in layers:
-                layer.last_sparse_reg = None
+            # -lambda * (1 - t/T) * sum ||W * mask||^2 (the paper's sparse weight regulariser). When the Trainer
+            # normalises the loss over the accumulated batch (num_items_in_batch) it no longer divides by the
+            # accumulation steps (and multiplies by the process count): the schedule's divisor undoes both.
+            divisor = schedule.reg_divisor if scaled_for_accumulation else 1
+            total = sum(r.to(outputs.loss.device) for r in regs)  # layers may sit on several devices
+            term = -schedule.sparse_reg_weight * total
+            # term - term.detach() is zero in value and carries the term's gradient: the logged loss is
+            # the language-model loss, the logits' gradient includes the regulariser.
+            outputs.loss = outputs.loss + (term - term.detach()).to(outputs.loss.dtype) / divisor
+            outputs["sparse_reg_loss"] = term.detach()
+            schedule.last_reg_loss = outputs["sparse_reg_loss"]  # logged by MaskAnnealCallback
         return outputs
 
-    forward = _forward
+    forward = _ForwardWithBaseSignature()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``base_model.generate`` with the active mask (hard masks in eval mode)."""
@@ -183,15 +186,13 @@ class MaskModel(NamedMasksMixin, nn.Module):
         self._check_not_merged()
         return {name: self.base_model.get_submodule(name) for name in self.masked_names}
 
-    def set_schedule_values(self, tau: float, kappa: float) -> None:
-        """Set the Gumbel temperature and logit scale of every masked layer (``MaskAnnealCallback`` does
-        it every step; a custom training loop calls it itself)."""
-        self._apply_schedule(tau, kappa)
-        self._schedule_driven = True
-
-    def _apply_schedule(self, tau: float, kappa: float) -> None:
-        for layer in self.masked_layers().values():
-            layer.tau, layer.kappa, layer.hard = float(tau), float(kappa), self.mask_config.hard
+    def set_schedule_values(self, tau: float, kappa: float, sparse_reg_weight: float | None = None) -> None:
+        """Set the Gumbel temperature, the logit scale and (optionally) the regulariser's current weight
+        (``MaskAnnealCallback`` does it every step; a custom training loop calls it itself)."""
+        values: dict[str, Any] = {"tau": float(tau), "kappa": float(kappa), "driven": True}
+        if sparse_reg_weight is not None:
+            values["sparse_reg_weight"] = float(sparse_reg_weight)
+        self.schedule.update(**values)
 
     def set_compiled_sampling(self, enabled: bool) -> bool:
         """Run this model's fused mask sampling through ``torch.compile``; returns the previous setting.
@@ -199,10 +200,8 @@ class MaskModel(NamedMasksMixin, nn.Module):
         Per model (two models in one process keep their own setting). ``MaskAnnealCallback`` turns it
         on for a training run when a compiler is present and restores it at the end.
         """
-        layers = list(self.masked_layers().values())
-        previous = any(layer.compiled_sampling for layer in layers)
-        for layer in layers:
-            layer.compiled_sampling = bool(enabled)
+        previous = self.schedule.compiled_sampling
+        self.schedule.update(compiled_sampling=bool(enabled))
         return previous
 
     def set_candidate_major_logits(self, enabled: bool) -> bool:
@@ -230,41 +229,38 @@ class MaskModel(NamedMasksMixin, nn.Module):
         time. ``None`` (the default): keep on CPU, where that drawing is a large part of the step;
         recompute on GPUs, where memory is scarcer.
         """
-        layers = list(self.masked_layers().values())
-        previous = layers[0].recompute_sampling if layers else None
-        for layer in layers:
-            layer.recompute_sampling = None if recompute is None else bool(recompute)
+        previous = self.schedule.recompute_sampling
+        self.schedule.update(recompute_sampling=None if recompute is None else bool(recompute))
         return previous
 
     @contextlib.contextmanager
     def disable_masks(self) -> Iterator[None]:
-        """Context in which every masked layer runs dense (for comparisons)."""
-        layers = self.masked_layers().values()
-        for layer in layers:
-            layer.masking_enabled = False
-        try:
+        """Context in which the model runs dense: each masked layer's base layer is put back in its place."""
+        with unwrapped(self.base_model, self.masked_layers()):
             yield
-        finally:
-            for layer in layers:
-                layer.masking_enabled = True
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Only the active mask's logits (what a Trainer checkpoint needs to resume), row-major
-        (the layers store them candidate-major; safetensors writes contiguous tensors only)."""
+        """The masks' tensors (every mask's logits, packed hard masks), row-major; not the frozen weights of
+        the base model (a Trainer checkpoint then holds what training changes). The layers may store the
+        active logits candidate-major; safetensors writes contiguous tensors only."""
         full = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+        owned = tuple(
+            f"{prefix}base_model.{name}.{part}."
+            for name in self.masked_names
+            for part in ("logits", "packed_masks")
+        )
         for key in [k for k in full if k.startswith(prefix)]:
-            if key.endswith(".mask_logits"):
-                if not keep_vars:
-                    full[key] = full[key].contiguous()
-            else:
+            if not key.startswith(owned):
                 del full[key]
+            elif not keep_vars:
+                full[key] = full[key].contiguous()
         return full
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
-        """``(trainable, all)`` parameter counts, like PEFT (inactive masks are not parameters)."""
+        """``(trainable, all)`` parameter counts, like PEFT."""
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         return trainable, total
@@ -276,7 +272,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
         print(
             f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
             f" || masked weights: {masked:,} in {len(self.masked_names)} layers ({self.mask_config.n}:{self.mask_config.m})"
-            f" || active mask: {self._active!r} of {len(self._masks)}"
+            f" || active mask: {self.active_mask!r} of {len(self.list_masks())}"
         )
 
     # ------------------------------------------------------------------ prior
@@ -284,35 +280,20 @@ class MaskModel(NamedMasksMixin, nn.Module):
     def apply_prior(
         self, masks: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], strength: float | None = None
     ) -> None:
-        """Initialise the active mask's logits from N:M masks (``[out, in]`` bool per layer name).
+        """Apply the prior rule to the active mask's logits for N:M masks (``[out, in]`` bool per layer name).
 
         ``logits += alpha * std(logits) * (overlap(candidate, mask) - n/2)`` (the paper's prior rule); the
-        initial hard mask then equals the prior exactly (``prior_init.prior_logits``). A list of such
-        dicts is a combined prior: the terms add, and where the masks disagree learning decides.
+        hard mask then equals the prior exactly (``prior_init.prior_logits``). A list of such dicts is a
+        combined prior: the terms add, and where the masks disagree learning decides.
         """
         cfg = self.mask_config
         alpha = cfg.prior_strength if strength is None else float(strength)
         layers = self.masked_layers()
-        sources = masks if isinstance(masks, list) else [masks]
-        for source in sources:
-            unknown = sorted(set(source) - set(layers))
-            missing = sorted(set(layers) - set(source))
-            if unknown or missing:
-                raise MaskFileError(
-                    f"Prior masks do not match the masked layers: missing {missing[:3]}, unknown {unknown[:3]}. "
-                    "A prior must cover exactly the layers selected by target_modules."
-                )
-            for name, layer in layers.items():
-                if tuple(source[name].shape) != (layer.out_features, layer.in_features):
-                    raise MaskFileError(
-                        f"Prior mask for {name} has shape {tuple(source[name].shape)}, the layer is "
-                        f"{(layer.out_features, layer.in_features)} ([out, in])."
-                    )
+        shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+        current = {name: layer.mask_logits for name, layer in layers.items()}
+        logits = apply_prior_rule(current, masks, shapes, cfg.n, cfg.m, alpha, cfg.init_std)
         for name, layer in layers.items():
-            layer_masks = [source[name].to(layer.mask_logits.device) for source in sources]
-            layer.mask_logits.copy_(
-                prior_logits(layer.mask_logits, layer_masks, cfg.n, cfg.m, alpha, cfg.init_std)
-            )
+            layer.mask_logits.copy_(logits[name])
 
     # ------------------------------------------------------------------ save / load / share
     def save_pretrained(
@@ -368,8 +349,8 @@ class MaskModel(NamedMasksMixin, nn.Module):
         fields: dict[str, Any] = {}
         if cfg.base_model_name_or_path:
             fields["base_model"] = cfg.base_model_name_or_path
-        if self._active != DEFAULT_MASK_NAME:
-            fields["mask"] = self._active
+        if self.active_mask != DEFAULT_MASK_NAME:
+            fields["mask"] = self.active_mask
         fields["how the mask was learned"] = (
             f"MaskLLM (hf_maskllm): learnable {cfg.n}:{cfg.m} masks sampled with Gumbel softmax, weights frozen; "
             f"prior: {' + '.join(cfg.prior_sources) or 'none'}"
@@ -414,13 +395,14 @@ class MaskModel(NamedMasksMixin, nn.Module):
         """Attach a saved mask (folder or Hub repo id) to ``model`` as ``mask_name``; restores exactly the
         saved hard masks. Add more masks with :meth:`load_mask`.
 
-        With saved logits those are restored too (to resume or transfer); otherwise logits are
-        initialised from the hard mask with the prior rule. ``is_trainable=False`` freezes the logits,
-        puts the model in eval mode, and holds the mask packed whenever another one is active.
+        The wrapped layers of the saved config, then :meth:`load_mask` and :meth:`set_mask`. With saved
+        logits those are restored too (to resume or transfer); otherwise logits are initialised from the
+        hard mask with the prior rule. ``is_trainable=False`` freezes the logits, puts the model in eval
+        mode, and holds the mask packed whenever another one is active.
         """
+        check_mask_name(mask_name)
         folder = resolve_mask_folder(name_or_path, revision, subfolder)
         config = read_config(folder)
-        load_config = MaskConfig.from_dict({**config.to_dict(), "prior": None})
         try:
             targets = find_targets(
                 model, config.target_modules, config.exclude_modules, config.m, strict=False
@@ -430,23 +412,13 @@ class MaskModel(NamedMasksMixin, nn.Module):
                 f"mask folder {folder}: its target_modules / exclude_modules select no layer of this "
                 f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
                 "learned on."
-            ) from None
-        shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
-        saved = read_saved_mask(folder, config, shapes)
-        mask_model = cls(model, load_config, targets, mask_name=mask_name)
-        mask_model.mask_config.prior = config.prior
-        mask_model.training_summary = saved.summary
-        layers = mask_model.masked_layers()
-        logits = logits_from_saved(saved, {name: layer.mask_logits for name, layer in layers.items()})
-        with torch.no_grad():
-            for name, layer in layers.items():
-                layer.mask_logits.copy_(logits[name])
-        mask = mask_model._masks[mask_name]
-        mask.trainable, mask.keep_logits = is_trainable, keep_logits
+            ) from e
+        mask_model = cls.__new__(cls)
+        with mask_model._wrapping(model, config, targets):
+            mask_model._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
+            mask_model._load_mask(folder, mask_name, is_trainable, None, None, keep_logits, True)
+            mask_model.set_mask(mask_name)
         if not is_trainable:
-            mask.packed = saved.packed
-            for layer in layers.values():
-                layer.mask_logits.requires_grad_(False)
             mask_model.eval()
         return mask_model
 

@@ -15,11 +15,20 @@ from torch import nn
 from ..errors import ConfigError, MaskFileError
 from ..modules import dense_weight_view
 from ..patterns import candidate_patterns, mask_to_indices
+from ..priors.calibration import PRIOR_METHODS, compute_prior_masks
 from ..serialization import resolve_folder
-from .config import CONFIG_NAME, PRIOR_METHODS, MaskConfig
+from .config import CONFIG_NAME, MaskConfig
 from .mask_file import MASKS_NAME, load_mask_config, read_masks
 
-__all__ = ["TORCH_DTYPES", "hard_logits", "prior_logits", "prior_masks", "random_logits", "saved_mask_prior"]
+__all__ = [
+    "TORCH_DTYPES",
+    "apply_prior_rule",
+    "initial_logits",
+    "prior_logits",
+    "prior_masks",
+    "random_logits",
+    "saved_mask_prior",
+]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,10 +94,54 @@ def prior_logits(
     return out
 
 
-def hard_logits(indices: torch.Tensor, num_candidates: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """One-hot logits ``[G, C]`` whose argmax is ``indices``: what an inference-only mask needs."""
-    logits = torch.zeros(indices.numel(), num_candidates, dtype=dtype, device=device)
-    return logits.scatter_(1, indices.to(device=device, dtype=torch.int64)[:, None], 1.0)
+@torch.no_grad()
+def apply_prior_rule(
+    logits: dict[str, torch.Tensor],
+    priors: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, int]],
+    n: int,
+    m: int,
+    alpha: float,
+    init_std: float,
+) -> dict[str, torch.Tensor]:
+    """``{layer: logits}`` with the prior rule applied for ``priors`` (``{layer: [out, in] bool}``, or a
+    list of such dicts whose terms add); each prior must cover exactly the layers of ``logits``, in the
+    layers' ``shapes``. The one place every prior (one-shot, saved mask, hard masks being loaded) enters."""
+    sources = priors if isinstance(priors, list) else [priors]
+    for source in sources:
+        unknown, missing = sorted(set(source) - set(logits)), sorted(set(logits) - set(source))
+        if unknown or missing:
+            raise MaskFileError(
+                f"Prior masks do not match the masked layers: missing {missing[:3]}, unknown {unknown[:3]}. "
+                "A prior must cover exactly the layers selected by target_modules."
+            )
+        for name in logits:
+            if tuple(source[name].shape) != tuple(shapes[name]):
+                raise MaskFileError(
+                    f"Prior mask for {name} has shape {tuple(source[name].shape)}, the layer is "
+                    f"{tuple(shapes[name])} ([out, in])."
+                )
+    return {
+        name: prior_logits(
+            tensor, [source[name].to(tensor.device) for source in sources], n, m, alpha, init_std
+        )
+        for name, tensor in logits.items()
+    }
+
+
+def initial_logits(
+    config: MaskConfig,
+    shapes: dict[str, tuple[int, int]],
+    devices: dict[str, torch.device] | None = None,
+    priors: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A new mask's logits: the config's seeded normal init, with the prior rule for ``priors`` when given."""
+    logits = random_logits(config, shapes, devices)
+    if not priors:
+        return logits
+    return apply_prior_rule(
+        logits, priors, shapes, config.n, config.m, config.prior_strength, config.init_std
+    )
 
 
 def prior_masks(
@@ -111,8 +164,6 @@ def prior_masks(
     out = []
     for source in sources:
         if source in PRIOR_METHODS:
-            from ..priors import compute_prior_masks
-
             tokens = _calibration_tokens(config, source, calibration_data, tokenizer)
             out.append(compute_prior_masks(model, source, config.n, config.m, targets, calibration=tokens))
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..patterns import candidate_patterns
 from ..serialization import atomic_folder, atomic_write, resolve_folder
 from .card import mask_model_card
 from .config import CONFIG_NAME, MaskConfig
+from .layer import mask_key
 from .mask_file import (
     LOGITS_NAME,
     MASKS_NAME,
@@ -32,21 +34,37 @@ from .mask_file import (
     write_logits,
     write_masks,
 )
-from .named_masks import DEFAULT_MASK_NAME
 from .packing import bits_per_weight
-from .prior_init import prior_logits
+from .prior_init import apply_prior_rule
 
 if TYPE_CHECKING:
     from .model import MaskModel
 
 __all__ = [
+    "DEFAULT_MASK_NAME",
     "SavedMask",
+    "check_mask_name",
     "logits_from_saved",
     "mask_folder",
     "read_saved_mask",
     "resolve_mask_folder",
     "save_masks",
 ]
+
+
+DEFAULT_MASK_NAME = "default"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md"}
+
+
+def check_mask_name(name: object) -> str:
+    """A mask name is also the subfolder it is saved in: letters, digits, ``_ . -``, not a file name of a save."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _RESERVED or len(name) > 96:
+        raise MaskLLMError(
+            f"Invalid mask name {name!r}: use up to 96 letters, digits, '_', '.' or '-', starting with a letter or "
+            f"digit (it names the subfolder the mask is saved in), not one of {sorted(_RESERVED)}."
+        )
+    return name
 
 
 def mask_folder(save_directory: str | os.PathLike, mask_name: str) -> Path:
@@ -90,14 +108,14 @@ def _save_one(
     layers = mask_model.masked_layers()
     shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
     active = mask_name == mask_model.active_mask
-    mask = mask_model._masks[mask_name]
+    mask = mask_model.mask_info(mask_name)
     if active and state_dict is not None:
         logits: dict[str, torch.Tensor] | None = _logits_from_state_dict(mask_model, state_dict)
-    elif active:
-        logits = {name: layer.mask_logits.detach() for name, layer in layers.items()}
+    elif all(layer.has_logits(mask_name) for layer in layers.values()):
+        logits = {name: layer.get_logits(mask_name).detach() for name, layer in layers.items()}
         _refuse_sharded(logits)
     else:
-        logits = None if mask.logits is None else {k: v.detach() for k, v in mask.logits.items()}
+        logits = None
     if logits is not None:
         for name, tensor in logits.items():
             if not bool(torch.isfinite(tensor).all()):
@@ -105,12 +123,10 @@ def _save_one(
                     f"Logits of {name} in mask {mask_name!r} contain NaN or inf (training diverged); refusing to "
                     "save a corrupt mask. Resume from an earlier checkpoint with a lower learning rate."
                 )
-    if active and state_dict is None:
-        indices = {name: idx.cpu() for name, idx in mask_model.hard_indices().items()}
-    elif logits is not None:
+    if logits is not None:
         indices = {name: tensor.argmax(dim=-1).cpu() for name, tensor in logits.items()}
     else:
-        indices = mask_model.hard_indices(mask_name)
+        indices = {name: idx.cpu() for name, idx in mask_model.hard_indices(mask_name).items()}
     if save_logits and logits is None:
         warnings.warn(
             f"Mask {mask_name!r} is held as a packed hard mask (loaded with is_trainable=False): it is saved "
@@ -131,7 +147,7 @@ def _save_one(
 
 def card_fields(mask_model: MaskModel, mask_name: str) -> dict[str, Any]:
     """The model card's fields for one mask."""
-    mask = mask_model._masks[mask_name]
+    mask = mask_model.mask_info(mask_name)
     cfg = mask.config
     layers = mask_model.masked_layers()
     return {
@@ -163,8 +179,8 @@ def _logits_from_state_dict(
     """Every masked layer's full logits (CPU) out of a state dict keyed like ``state_dict()``."""
     logits = {}
     for name, layer in mask_model.masked_layers().items():
-        key = f"base_model.{name}.mask_logits"
-        tensor = state_dict.get(key)
+        key = f"base_model.{name}.logits.{mask_key(mask_model.active_mask)}"
+        tensor = state_dict.get(key, state_dict.get(f"base_model.{name}.mask_logits"))
         if tensor is None:
             raise ConfigError(
                 f"state_dict lacks {key}: pass the full state dict of this MaskModel (on the main process, "
@@ -187,6 +203,7 @@ class SavedMask:
 
     folder: Path
     config: MaskConfig
+    shapes: dict[str, tuple[int, int]]
     packed: dict[str, torch.Tensor]
     indices: dict[str, torch.Tensor]
     summary: dict[str, Any]
@@ -214,7 +231,7 @@ def resolve_mask_folder(
             raise MaskFileError(
                 f"{e} It holds named masks in subfolders {named}: pass the subfolder of the one you want, e.g. "
                 f"{str(path / named[0])!r}, or subfolder={named[0]!r}."
-            ) from None
+            ) from e
         raise
     return folder / prefix if prefix else folder
 
@@ -239,7 +256,7 @@ def read_saved_mask(folder: Path, config: MaskConfig, shapes: dict[str, tuple[in
             name: (s[0] * s[1] // config.m, math.comb(config.m, config.n)) for name, s in shapes.items()
         }
         logits = read_logits(folder / LOGITS_NAME, groups_c)
-    return SavedMask(folder, config, packed, indices, summary, logits)
+    return SavedMask(folder, config, dict(shapes), packed, indices, summary, logits)
 
 
 @torch.no_grad()
@@ -260,11 +277,9 @@ def logits_from_saved(saved: SavedMask, init: dict[str, torch.Tensor]) -> dict[s
             )
         return out
     cand = candidate_patterns(cfg.n, cfg.m, dtype=torch.bool)
+    masks = {name: cand[saved.indices[name]].reshape(saved.shapes[name]) for name in init}
     strength = max(cfg.prior_strength, 1.0)
-    out = {}
-    for name, tensor in init.items():
-        mask = cand[saved.indices[name]].to(tensor.device)  # [G, m]
-        out[name] = prior_logits(tensor, mask, cfg.n, cfg.m, strength, cfg.init_std)
+    out = apply_prior_rule(init, masks, saved.shapes, cfg.n, cfg.m, strength, cfg.init_std)
     # Verify after reading: the logits now give exactly the saved (N:M) hard masks.
     if any(
         not bool(torch.isfinite(out[k]).all())

@@ -9,6 +9,7 @@ stay dense), an explicit name refuses them.
 
 from __future__ import annotations
 
+import difflib
 import re
 import warnings
 
@@ -115,6 +116,10 @@ def find_targets(
                 message + " Exclude them with exclude_modules, or use strict=False to skip them."
             )
         warnings.warn(message + " They are left dense.", stacklevel=3)
+    if names and not isinstance(target_modules, str):
+        _warn_unmatched(model, target_modules, "target_modules")
+    if names and exclude_modules is not None and not isinstance(exclude_modules, str):
+        _warn_unmatched(model, exclude_modules, "exclude_modules")
     if not names:
         raise TargetError(
             f"target_modules={target_modules!r} (exclude_modules={exclude_modules!r}) matched no maskable layer "
@@ -122,3 +127,17 @@ def find_targets(
             "e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']."
         )
     return names
+
+
+def _warn_unmatched(model: nn.Module, spec: list[str] | tuple[str, ...], what: str) -> None:
+    """Say which entries of a list of name suffixes match no module of ``model`` (a typo, or another family's name)."""
+    names = [name for name, _ in model.named_modules() if name]
+    suffixes = sorted({name.rsplit(".", 1)[-1] for name in names})
+    unmatched = [s for s in spec if not any(_matches(name, [s]) for name in names)]
+    for entry in unmatched:
+        close = difflib.get_close_matches(entry, suffixes, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        warnings.warn(
+            f"{what} entry {entry!r} matches no module of {type(model).__name__}; it selects nothing.{hint}",
+            stacklevel=4,
+        )

@@ -1,7 +1,7 @@
 """Swapping layers of a transformers model: wrap targets in :class:`MaskedLinear`, or show them bare.
 
 Masks never copy a base weight: a :class:`MaskedLinear` holds the original layer as
-``base_layer``, and every view here only moves module references.
+``base_layer``, and every view here only moves module references (``nn.Module.set_submodule``).
 """
 
 from __future__ import annotations
@@ -9,24 +9,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from .layer import MaskedLinear
+from .schedule import MaskSchedule
 
-__all__ = ["replace_module", "unwrapped", "wrap_layers"]
-
-
-def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Put ``module`` at the dotted ``name`` of ``model``."""
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
+__all__ = ["unwrapped", "wrap_layers"]
 
 
-def wrap_layers(model: nn.Module, logits: dict[str, torch.Tensor], n: int, m: int) -> None:
-    """Replace each layer named in ``logits`` by a :class:`MaskedLinear` over it with those logits."""
-    for name, layer_logits in logits.items():
-        replace_module(model, name, MaskedLinear(model.get_submodule(name), n, m, layer_logits))
+def wrap_layers(model: nn.Module, names: list[str], n: int, m: int, schedule: MaskSchedule) -> None:
+    """Replace each layer named in ``names`` by a :class:`MaskedLinear` over it (no mask yet) reading ``schedule``."""
+    for name in names:
+        model.set_submodule(name, MaskedLinear(model.get_submodule(name), n, m, schedule=schedule))
 
 
 @contextlib.contextmanager
@@ -34,8 +28,8 @@ def unwrapped(model: nn.Module, layers: dict[str, MaskedLinear]) -> Iterator[nn.
     """Temporarily put each masked layer's base layer back in place: ``model`` runs dense, as before wrapping."""
     try:
         for name, layer in layers.items():
-            replace_module(model, name, layer.base_layer)
+            model.set_submodule(name, layer.base_layer)
         yield model
     finally:
         for name, layer in layers.items():
-            replace_module(model, name, layer)
+            model.set_submodule(name, layer)

@@ -8,7 +8,8 @@ picks a backend in constant time:
   ``tokens <= DECODE_MAX_TOKENS`` -> :mod:`.nm_decode` (decode, small batches);
   ``tokens < EXPAND_MIN_TOKENS`` -> :mod:`.nm_dot` (tile-expanding ``tl.dot``);
   else :mod:`.nm_expand` + ``F.linear`` (expand the weight once, dense cuBLAS: prefill);
-- anything else (other N:M, plain CPU, no Triton): decompress and ``F.linear`` (exact, not fast).
+- anything else (other N:M, plain CPU, no Triton) has no kernel here and is refused: ``SparseLinear``
+  routes those cases itself (the CPU kernels, or a decompressed weight and ``F.linear``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "nm_linear_decode",
     "nm_linear_dot",
     "nm_linear_expand",
-    "nm_linear_torch",
 ]
 
 # The routes by token count (constant-time choice). Up to DECODE_MAX_TOKENS: the decode kernel (one
@@ -275,24 +275,18 @@ def nm_linear_expand(
     return F.linear(x2d, nm_decompress_24(values, meta, x2d.shape[1]), bias)
 
 
-def nm_linear_torch(
-    x2d: torch.Tensor,
-    values: torch.Tensor,
-    meta: torch.Tensor,
-    n: int,
-    m: int,
-    in_features: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference / fallback path for any N:M: decompress the weight and call ``F.linear``."""
-    from ..sparse.format import decompress
-
-    weight = decompress(values, meta, n, m, in_features)
-    return F.linear(x2d, weight.to(x2d.dtype), bias)
-
-
 def _use_triton(x: torch.Tensor, n: int, m: int) -> bool:
     return (n, m) == (2, 4) and _HAS_TRITON and (x.is_cuda or (_interpret() and x.device.type == "cpu"))
+
+
+def _check_kernel_exists(x: torch.Tensor, n: int, m: int) -> None:
+    if not _use_triton(x, n, m):
+        raise MaskLLMError(
+            f"nm_linear runs the Triton 2:4 kernels (CUDA, or CPU under TRITON_INTERPRET=1); got {n}:{m} on "
+            f"{x.device.type}{'' if _HAS_TRITON else ' without Triton installed'}. Use SparseLinear, which "
+            "routes every N:M on every device, or decompress the weight (hf_maskllm.sparse.decompress) and "
+            "call F.linear."
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,8 +304,7 @@ def _nm_linear_op(
     in_features: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    if not _use_triton(x2d, n, m):
-        return nm_linear_torch(x2d, values, meta, n, m, in_features, bias)
+    _check_kernel_exists(x2d, n, m)
     if x2d.shape[0] == 0:
         return x2d.new_empty(0, values.shape[0])
     if x2d.shape[0] <= DECODE_MAX_TOKENS:
@@ -341,7 +334,8 @@ def nm_linear(
         x: ``[..., in_features]`` activations (float16, bfloat16 or float32; same dtype as ``values``).
         values: ``[out, in * n / m]`` kept weights, from ``hf_maskllm.sparse.format.compress``.
         meta: ``uint8 [out, ceil(in * n / m * ceil(log2 m) / 8)]`` positions of the kept weights.
-        n, m: the pattern (2:4 runs the Triton kernels; others decompress and call ``F.linear``).
+        n, m: the pattern: 2:4, on CUDA (or on CPU under ``TRITON_INTERPRET=1``) with Triton installed;
+            anything else raises ``MaskLLMError`` (``SparseLinear`` routes every N:M on every device).
         in_features: dense input size (a multiple of ``m``).
         bias: optional ``[out]``.
 

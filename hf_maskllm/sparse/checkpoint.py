@@ -1,9 +1,17 @@
-"""Write a merged N:M model as a compressed (or plain dense) Hugging Face folder."""
+"""Write a merged N:M model as a compressed (or plain dense) Hugging Face folder.
+
+``save_compressed`` is the writer. A model whose layers are :class:`SparseLinear` (loaded from a
+compressed checkpoint, or converted with ``to_sparse_layers``) gets a ``save_pretrained`` that calls
+it (:func:`bind_save_pretrained`), so ``push_to_hub`` and ``Trainer`` checkpoints write the same
+format: transformers' own writer drops the ``transformers_weights`` guard and writes one metadata
+for every shard, so it cannot write this format (docs/design.md).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +19,22 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..adapters.card import is_hub_repo_id
 from ..errors import CheckpointError, NMViolationError, TargetError
+from ..hub import is_hub_repo_id
 from ..modules import dense_weight_view, is_conv1d, output_embedding_names
 from ..patterns import check_nm_args, count_nm_violations
 from ..serialization import atomic_folder, tensor_checksums, verify_safetensors
-from .format import FORMAT_VERSION, compress
-from .linear import SparseLinear
-from .quantizer import CHECKSUM_KEY, LOAD_MARKER, QUANT_METHOD
+from .format import CHECKSUM_KEY, FORMAT_VERSION, LOAD_MARKER, QUANT_METHOD, compress
+from .linear import SparseLinear, sparse_layer_names
 
-__all__ = ["find_nm_modules", "save_compressed", "write_checkpoint_file"]
+__all__ = [
+    "bind_save_pretrained",
+    "check_modules",
+    "find_nm_modules",
+    "save_compressed",
+    "unbind_save_pretrained",
+    "write_checkpoint_file",
+]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -44,7 +58,8 @@ def find_nm_modules(model: nn.Module, n: int = 2, m: int = 4) -> list[str]:
     ]
 
 
-def _check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
+def check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
+    """Raise unless every name in ``modules`` is a linear / Conv1D (not the output embedding) that is exactly N:M."""
     named = dict(model.named_modules())
     skip = output_embedding_names(model)
     for name in modules:
@@ -185,7 +200,7 @@ def save_compressed(
         modules = list(modules)
         if not modules:
             raise TargetError("`modules` is empty; pass None to pick every N:M linear, or a list of names.")
-        _check_modules(model, modules, n, m)
+        check_modules(model, modules, n, m)
     has_sparse = any(isinstance(mod, SparseLinear) for mod in model.modules())
     if dense and has_sparse:
         raise CheckpointError(
@@ -279,3 +294,71 @@ def _save_compressed_files(
         generation_config.save_pretrained(tmp)
     card = _model_card(model, n, m, modules, sizes, model_card)
     (tmp / "README.md").write_text(card, encoding="utf-8")
+
+
+_IGNORED = ("safe_serialization", "is_main_process", "state_dict", "token", "save_original_format")
+
+
+def _save_pretrained(
+    self: nn.Module,
+    save_directory: str | os.PathLike,
+    max_shard_size: int | str = "2GB",
+    push_to_hub: bool = False,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Save this compressed N:M model as a compressed checkpoint (``hf_maskllm.sparse.save_compressed``).
+
+    Reload it with ``AutoModelForCausalLM.from_pretrained`` after ``import hf_maskllm``. Accepts
+    what ``Trainer`` passes (``state_dict``: must be this model's own tensors; ``is_main_process``).
+    Returns the names of the compressed modules.
+    """
+    unknown = sorted(set(kwargs) - set(_IGNORED))
+    if unknown or push_to_hub or kwargs.get("safe_serialization") is False:
+        raise CheckpointError(
+            f"save_pretrained of a compressed N:M model does not take {unknown or ['push_to_hub']}"
+            f"{' / safe_serialization=False' if kwargs.get('safe_serialization') is False else ''}; "
+            "pass save_directory, max_shard_size and tokenizer (use model.push_to_hub(repo_id) to upload)."
+        )
+    if kwargs.get("is_main_process") is False:
+        return []
+    state_dict = kwargs.get("state_dict")
+    if state_dict is not None and set(state_dict) != set(self.state_dict()):
+        raise CheckpointError(
+            "save_pretrained got a state_dict whose keys differ from this compressed model's; a compressed "
+            "checkpoint is written from the model itself. Drop state_dict, or load it into the model first."
+        )
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if any(isinstance(mod, BaseTunerLayer) for mod in self.modules()):
+        raise CheckpointError(
+            "this model still holds PEFT adapter layers; merge them first (peft_model.merge_and_unload(), which "
+            "keeps N:M) or save only the adapter with peft_model.save_pretrained."
+        )
+    names = sparse_layer_names(self)
+    if not names:
+        raise CheckpointError(
+            "this model holds no SparseLinear layer any more; save it with the plain transformers save_pretrained "
+            "(after model.dequantize()) or hf_maskllm.sparse.save_compressed."
+        )
+    first = self.get_submodule(names[0])
+    return save_compressed(
+        self,
+        save_directory,
+        first.n,
+        first.m,
+        modules=names,
+        tokenizer=tokenizer,
+        max_shard_size=max_shard_size,
+    )
+
+
+def bind_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` (and so ``push_to_hub`` and ``Trainer`` checkpoints) write compressed."""
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
+
+
+def unbind_save_pretrained(model: nn.Module) -> None:
+    """Undo :func:`bind_save_pretrained`: ``model.save_pretrained`` is its class's again."""
+    if "save_pretrained" in vars(model):
+        del model.save_pretrained

@@ -13,6 +13,11 @@ consecutive inputs of a row keeps at most ``n`` nonzeros) is stored as two tenso
   ``j//4``.
 
 All functions are vectorised torch (no loops over rows) and run on any device.
+
+The names a compressed checkpoint carries are defined here too, for its writer (``checkpoint.py``) and
+its loader (``quantizer.py``): :data:`QUANT_METHOD` (``quantization_config.quant_method``),
+:data:`LOAD_MARKER` (``config.json``'s ``transformers_weights``: plain transformers refuses the folder
+and quotes it) and :data:`CHECKSUM_KEY` (every weight file's safetensors metadata).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from ..errors import CheckpointError, ConfigError, NMViolationError
 from ..patterns import check_nm_args
 
 __all__ = [
+    "CHECKSUM_KEY",
     "FORMAT_VERSION",
+    "LOAD_MARKER",
+    "QUANT_METHOD",
     "compress",
     "compressed_shapes",
     "decompress",
@@ -36,6 +44,12 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+QUANT_METHOD = "hf_maskllm_nm"
+LOAD_MARKER = (
+    "hf_maskllm-nm-compressed: this checkpoint stores N:M-compressed weights. "
+    "Run `pip install hf_maskllm` and `import hf_maskllm` before from_pretrained to load it"
+)
+CHECKSUM_KEY = "hf_maskllm_crc32"  # safetensors metadata: JSON {tensor: CRC-32 of dtype, shape and bytes}
 
 
 def meta_bits(m: int) -> int:

@@ -8,14 +8,15 @@ in ``meta`` never change); ``meta`` is a buffer. Forward routes, in this order:
 2. ``cache_dense=True`` (opt-in): ``F.linear`` with a decompressed weight kept between calls (dense
    speed, one dense weight of memory per layer).
 3. No gradient needed at all, and a kernel reads the compressed weight on this device: on CUDA the
-   Triton kernels (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels for float32, bfloat16
-   and float16 outside autocast (``hf_maskllm.kernels.cpu_ops``: direct for up to 8 tokens, expand
-   into a reused scratch buffer + dense GEMM beyond). No dense copy of the layer is held.
+   Triton kernels for 2:4 (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels for float32,
+   bfloat16 and float16 outside autocast (``hf_maskllm.kernels.cpu_ops``: direct for up to 8 tokens,
+   expand into a reused scratch buffer + dense GEMM beyond). No dense copy of the layer is held.
 4. A gradient is needed for the input or the bias only (LoRA adapters, training something else), or
    CPU autocast: ``F.linear`` with a freshly expanded weight (the C++ expansion on CPU), kept by
    autograd until the backward pass.
-5. No kernel for this device (no Triton on CUDA; the CPU kernels could not be built, which warns
-   once): the decompressed-weight cache as in 2, unless ``cache_dense=False``.
+5. No kernel for this device and pattern (no Triton, or an N:M other than 2:4, on CUDA; the CPU
+   kernels could not be built, which warns once): the decompressed-weight cache as in 2, unless
+   ``cache_dense=False``.
 
 The cache is keyed on the storage and version counter of ``values`` and ``meta`` (in-place updates
 by optimizers, ``load_state_dict`` or ``copy_`` invalidate it) and dropped on ``train()`` /
@@ -25,7 +26,7 @@ after them.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import importlib.util
 from typing import Any
 
 import torch
@@ -33,25 +34,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TargetError
+from ..kernels import nm_linear
 from ..kernels.cpu_extension import cpu_kernels
 from ..kernels.cpu_ops import expand_cpu, nm_linear_cpu
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress, kept_columns
 
-__all__ = ["SparseLinear", "set_dense_cache"]
+__all__ = ["SparseLinear", "set_dense_cache", "sparse_layer_names", "to_dense_layers"]
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@lru_cache(maxsize=1)
-def _fast_kernel() -> Any:
-    """``hf_maskllm.kernels.nm_linear`` when it can be imported (Triton present), else ``None``."""
-    try:
-        from ..kernels import nm_linear
-    except ImportError:
-        return None
-    return nm_linear
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # the CUDA kernels (2:4) need it
 
 
 class SparseLinear(nn.Module):
@@ -176,8 +169,8 @@ class SparseLinear(nn.Module):
         if cache:
             return F.linear(x, self.cached_dense_weight().to(x.dtype), bias)
         wants_grad = grad and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
-        if x.is_cuda and not wants_grad and (kernel := _fast_kernel()) is not None:
-            return kernel(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
+        if x.is_cuda and not wants_grad and _HAS_TRITON and (self.n, self.m) == (2, 4):
+            return nm_linear(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
         if cpu and self.values.dtype in _CPU_KERNEL_DTYPES and (ext := cpu_kernels()) is not None:
             if not wants_grad and kernel_dtype and not torch.is_autocast_enabled("cpu"):
                 return nm_linear_cpu(
@@ -246,3 +239,20 @@ def set_dense_cache(model: nn.Module, enabled: bool | None) -> int:
         layer.cache_dense = None if enabled is None else bool(enabled)
         layer.clear_cache()
     return len(layers)
+
+
+def sparse_layer_names(model: nn.Module) -> list[str]:
+    """Names of the :class:`SparseLinear` modules of ``model``, in model order."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, SparseLinear)]
+
+
+def to_dense_layers(model: nn.Module) -> nn.Module:
+    """Replace every :class:`SparseLinear` by its dense layer (zeros kept), in place; returns ``model``.
+
+    A transformers model loaded compressed (or made so by ``to_sparse_layers``) becomes a plain
+    transformers model with ``model.dequantize()``, which calls this and also drops the quantization
+    config.
+    """
+    for name in sparse_layer_names(model):
+        model.set_submodule(name, model.get_submodule(name).to_dense())
+    return model

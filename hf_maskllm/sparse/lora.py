@@ -6,15 +6,17 @@ keeps the entries of the N:M pattern and zeroes the rest, so training, ``merge()
 ``merge_and_unload()`` all give a model that is exactly N:M (the merge adds ``P(s * B @ A)`` to the
 kept ``values``). The price: each forward builds the ``[out, in]`` product ``B @ A`` (as DoRA does).
 
-``import hf_maskllm`` registers the layer on every ``LoraConfig`` (:func:`install`), so
-``get_peft_model(model, LoraConfig(...))`` works on a model loaded from a compressed checkpoint.
+PEFT picks the LoRA layer for a base layer from a fixed list, and takes others only from the
+config it is given, so a ``LoraConfig`` for a compressed model goes through :func:`register_lora`::
+
+    peft_model = get_peft_model(model, register_lora(LoraConfig(r=16, target_modules=["q_proj"])))
+
 LoRA variants that cannot be restricted to the pattern (DoRA and the others PEFT implements as
 variants) are refused; mixed-adapter batches (``adapter_names=``) are refused.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
@@ -28,7 +30,7 @@ from ..errors import ConfigError
 from .format import decompress
 from .linear import SparseLinear
 
-__all__ = ["SparseLoraLinear", "install", "register_lora"]
+__all__ = ["SparseLoraLinear", "register_lora"]
 
 
 class SparseLoraLinear(LoraLinear):
@@ -144,22 +146,13 @@ class SparseLoraLinear(LoraLinear):
 
 
 def register_lora(config: LoraConfig) -> LoraConfig:
-    """Map :class:`SparseLinear` to :class:`SparseLoraLinear` in ``config`` (PEFT's custom-module dispatch)."""
+    """Map :class:`SparseLinear` to :class:`SparseLoraLinear` in ``config`` and return it.
+
+    Pass every ``LoraConfig`` meant for a model with compressed layers through it (PEFT's
+    custom-module dispatch; the mapping is not saved with the adapter): ``get_peft_model``,
+    ``PeftModel.from_pretrained(..., config=...)``, ``add_adapter``. Without it PEFT refuses the
+    compressed layers ("Target module SparseLinear(...) is not supported").
+    """
     if not (config._custom_modules or {}).get(SparseLinear):
         config._register_custom_module({SparseLinear: SparseLoraLinear})
     return config
-
-
-def install() -> None:
-    """Register :class:`SparseLoraLinear` on every ``LoraConfig`` created from now on (idempotent)."""
-    post_init = LoraConfig.__post_init__
-    if getattr(post_init, "_hf_maskllm", False):
-        return
-
-    @functools.wraps(post_init)
-    def __post_init__(self: LoraConfig, *args: Any, **kwargs: Any) -> None:
-        post_init(self, *args, **kwargs)
-        register_lora(self)
-
-    __post_init__._hf_maskllm = True
-    LoraConfig.__post_init__ = __post_init__

@@ -6,9 +6,10 @@ every tensor the model needs present with its shape), swaps every listed module 
 straight from the safetensors files (no dense copy), then every module is validated (N:M positions,
 finite values).
 
-Without hf_maskllm: ``config.json`` carries ``transformers_weights`` set to :data:`LOAD_MARKER`,
-which plain transformers rejects with a ``ValueError`` that quotes it ("... import hf_maskllm
-..."). This quantizer removes the marker before transformers resolves the weight files.
+Without hf_maskllm: ``config.json`` carries ``transformers_weights`` set to
+:data:`~hf_maskllm.sparse.format.LOAD_MARKER`, which plain transformers rejects with a ``ValueError``
+that quotes it ("... import hf_maskllm ..."). This quantizer removes the marker before transformers
+resolves the weight files.
 """
 
 from __future__ import annotations
@@ -32,19 +33,14 @@ from ..errors import CheckpointError, ConfigError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from ..serialization import verify_safetensors
-from .format import FORMAT_VERSION, validate
-from .linear import SparseLinear
+from .checkpoint import bind_save_pretrained, unbind_save_pretrained
+from .format import CHECKSUM_KEY, FORMAT_VERSION, QUANT_METHOD, validate
+from .linear import SparseLinear, to_dense_layers
 
-__all__ = ["CHECKSUM_KEY", "LOAD_MARKER", "QUANT_METHOD", "NMSparseConfig", "NMSparseHfQuantizer"]
+__all__ = ["NMSparseConfig", "NMSparseHfQuantizer", "register"]
 
 logger = logging.get_logger(__name__)
 
-QUANT_METHOD = "hf_maskllm_nm"
-LOAD_MARKER = (
-    "hf_maskllm-nm-compressed: this checkpoint stores N:M-compressed weights. "
-    "Run `pip install hf_maskllm` and `import hf_maskllm` before from_pretrained to load it"
-)
-CHECKSUM_KEY = "hf_maskllm_crc32"  # safetensors metadata: JSON {tensor: CRC-32 of dtype, shape and bytes}
 _FIX = "config.json is corrupt or was edited; download or save the checkpoint again (save_compressed)."
 
 
@@ -227,8 +223,6 @@ class NMSparseHfQuantizer(HfQuantizer):
                     f"not divisible by m={cfg.m}; {_FIX}"
                 )
             dtype = module.weight.dtype
-            parent_name, _, child = local.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             with torch.device("meta"):
                 sparse = SparseLinear(
                     in_features,
@@ -239,7 +233,7 @@ class NMSparseHfQuantizer(HfQuantizer):
                     dtype=dtype,
                     conv1d=is_conv1d(module),
                 )
-            setattr(parent, child, sparse)
+            model.set_submodule(local, sparse)
         if entries is not None:
             self._check_keys(entries, model)
         return model
@@ -266,15 +260,13 @@ class NMSparseHfQuantizer(HfQuantizer):
                     raise CheckpointError(
                         f"{where}: {name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
                     )
-        from .convert import bind_save_pretrained
-
         bind_save_pretrained(model)
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         # transformers' own writer cannot put the plain-transformers guard into config.json nor the per-tensor
         # checksums into every shard; loaded models get a `save_pretrained` that calls `save_compressed`
-        # (convert.bind_save_pretrained), so this is reached only through `PreTrainedModel.save_pretrained(model, ...)`.
+        # (checkpoint.bind_save_pretrained), so this is reached only through `PreTrainedModel.save_pretrained(model, ...)`.
         logger.warning(
             "A compressed N:M model is saved with `model.save_pretrained(directory)` on the loaded model or "
             "`hf_maskllm.sparse.save_compressed(model, directory)`."
@@ -283,7 +275,7 @@ class NMSparseHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        # The kept weights (`values`) train directly and stay N:M; PEFT LoRA works through hf_maskllm.sparse.peft.
+        # The kept weights (`values`) train directly and stay N:M; PEFT LoRA works through hf_maskllm.sparse.lora.
         return True
 
     @property
@@ -293,8 +285,7 @@ class NMSparseHfQuantizer(HfQuantizer):
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """Replace every :class:`SparseLinear` by its dense layer (zeros kept); ``model.dequantize()`` calls it."""
-        from .convert import to_dense_layers
-
+        unbind_save_pretrained(model)
         return to_dense_layers(model)
 
 

@@ -14,14 +14,14 @@ from torch import nn
 from ..errors import ConfigError
 from ..modules import dense_weight_view
 from ..priors.calibration import sparsegpt_reconstruct
-from .convert import sparse_layer_names
+from .linear import sparse_layer_names
 
 __all__ = ["reconstruct"]
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+def _carries_masks(model: nn.Module) -> bool:
+    """A model with learnable masks (a :class:`~hf_maskllm.MaskModel`): it has ``masked_layers()`` and ``hard_masks()``."""
+    return callable(getattr(model, "masked_layers", None)) and callable(getattr(model, "hard_masks", None))
 
 
 @torch.no_grad()
@@ -47,7 +47,10 @@ def reconstruct(
         model: a :class:`~hf_maskllm.MaskModel` (its hard masks; its frozen base weights are the dense
             weights; only their kept positions change, so mask learning can go on); a model with
             :class:`SparseLinear` layers (``values`` change, ``meta`` does not) together with
-            ``dense_model``; or a plain dense model together with ``masks`` (pruned in place).
+            ``dense_model``; or a plain dense model together with ``masks`` (pruned in place). A
+            model is taken for a MaskModel by what it offers: ``masked_layers()`` (``{name: layer}``,
+            each layer with its dense ``base_layer`` and its ``n``, ``m``), ``hard_masks()``
+            (``{name: bool [out, in]}``) and ``get_base_model()`` (the model that holds the layers).
         calibration: ``[num_samples, seqlen]`` token ids.
         masks: ``{module name: bool [out, in]}``, for a plain model only.
         dense_model: for a model with SparseLinear layers: the dense model it was pruned from (same
@@ -58,17 +61,19 @@ def reconstruct(
     Returns:
         The names of the updated layers.
     """
-    from ..adapters.model import MaskModel
-
     solve = dict(batch_size=batch_size, progress=progress, blocksize=blocksize, percdamp=percdamp)
-    if isinstance(model, MaskModel):
+    if _carries_masks(model):
         if masks is not None or dense_model is not None:
             raise ConfigError(
                 "a MaskModel is reconstructed for its own hard masks and base weights; pass neither masks nor dense_model."
             )
-        n, m = model.mask_config.n, model.mask_config.m
         layers = model.masked_layers()
-        masks = {name: layer.hard_mask().clone() for name, layer in layers.items()}
+        patterns = {(layer.n, layer.m) for layer in layers.values()}
+        if len(patterns) != 1:
+            raise ConfigError(
+                f"the masked layers have N:M patterns {sorted(patterns)}; reconstruct needs one pattern."
+            )
+        (n, m), masks = patterns.pop(), model.hard_masks()
         originals = {
             name: dense_weight_view(layer.base_layer).detach().to("cpu", copy=True)
             for name, layer in layers.items()
@@ -76,11 +81,11 @@ def reconstruct(
         base = model.get_base_model()
         try:
             for name, layer in layers.items():  # the plain dense layers in place of the wrappers
-                _set(base, name, layer.base_layer)
+                base.set_submodule(name, layer.base_layer)
             sparsegpt_reconstruct(base, masks, calibration, n, m, **solve)
         finally:
             for name, layer in layers.items():
-                _set(base, name, layer)
+                base.set_submodule(name, layer)
                 weight = dense_weight_view(layer.base_layer)  # updated, zero where pruned
                 original = originals.pop(name).to(weight.device)
                 weight.copy_(torch.where(masks[name].to(weight.device), weight, original))  # pruned ones back
@@ -117,7 +122,7 @@ def reconstruct(
             dense[name] = copy
         try:
             for name, copy in dense.items():
-                _set(model, name, copy)
+                model.set_submodule(name, copy)
             sparsegpt_reconstruct(model, masks, calibration, n, m, **solve)
             for name, layer in layers.items():
                 layer.values.copy_(
@@ -125,7 +130,7 @@ def reconstruct(
                 )
         finally:
             for name, layer in layers.items():
-                _set(model, name, layer)
+                model.set_submodule(name, layer)
         return names
 
     if masks is None:

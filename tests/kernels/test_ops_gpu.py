@@ -1,7 +1,7 @@
 """The 2:4 kernels compiled for and run on a CUDA GPU, against a float64 reference.
 
 Skipped without a GPU (CI); the GPU session runs it first (``benchmarks/gpu_session.sh``):
-``TRITON_INTERPRET=0 python -m pytest -q tests/test_kernels_gpu.py``. It covers what the interpreter
+``TRITON_INTERPRET=0 python -m pytest -q tests/kernels/test_ops_gpu.py``. It covers what the interpreter
 cannot: the inline-PTX byte permutes, real tensor-core ``tl.dot`` in fp16/bf16/fp32, TMA copies,
 every autotune config (not only the winners), CUDA graphs and ``torch.compile(mode="reduce-overhead")``.
 Ordered by what only a GPU can tell, so that a timeout loses the least.

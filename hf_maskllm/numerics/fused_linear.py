@@ -86,7 +86,7 @@ def weight_grad(grad_y: torch.Tensor, x: torch.Tensor, logits_dtype: torch.dtype
     In bfloat16 (float32 accumulation, as bfloat16 autocast computes a weight gradient) when the
     logits are bfloat16, the matmul would otherwise run in float32 and the device multiplies
     bfloat16 natively: the logits' gradient is rounded to bfloat16 anyway, and this product's
-    rounding error is of the same order (about 0.3% of its norm; ``tests/test_sampling.py`` bounds
+    rounding error is of the same order (about 0.3% of its norm; ``tests/numerics/test_fused_linear.py`` bounds
     the logits' gradient against float64). Otherwise in the matmuls' dtype.
     """
     if logits_dtype == torch.bfloat16 and grad_y.dtype == torch.float32 and native_bf16_matmul(grad_y.device):

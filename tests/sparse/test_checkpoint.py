@@ -1,107 +1,33 @@
-"""save_compressed -> from_pretrained of merged N:M models, and what happens without hf_maskllm."""
+"""save_compressed -> from_pretrained of merged N:M models, the save_pretrained a loaded one gets (and Trainer
+checkpoints with it), and what happens without hf_maskllm."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    OPTConfig,
-    OPTForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
+from sparse_helpers import (
+    MODELS,
+    VOCAB,
+    args,
+    merged_model,
+    run_without_hf_maskllm,
+    tiny_llama,
+    tokens,
+    values_of,
 )
+from trainer_helpers import TokenDataset
+from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 
 import hf_maskllm.sparse  # noqa: F401  (registers the loader)
 from hf_maskllm.errors import CheckpointError, NMViolationError, TargetError
 from hf_maskllm.sparse import SparseLinear, find_nm_modules, save_compressed
 from hf_maskllm.sparse.checkpoint import write_checkpoint_file
-
-VOCAB = 128
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,  # like SmolLM2
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB))
-
-
-def tiny_opt() -> OPTForCausalLM:
-    cfg = OPTConfig(
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        word_embed_proj_dim=64,
-        max_position_embeddings=64,
-    )
-    return OPTForCausalLM(cfg)
-
-
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    )
-    return Qwen2ForCausalLM(cfg)
-
-
-MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "opt": tiny_opt, "qwen2": tiny_qwen2}
-
-
-@torch.no_grad()
-def magnitude_prune(model: torch.nn.Module, n: int = 2, m: int = 4) -> None:
-    """Zero all but the n largest |w| of every m inputs in each linear / Conv1D except the output embedding."""
-    head = model.get_output_embeddings()
-    for module in model.modules():
-        is_conv1d = type(module).__name__ == "Conv1D"  # GPT-2: weight stored [in, out]
-        if module is head or not (isinstance(module, torch.nn.Linear) or is_conv1d):
-            continue
-        weight = module.weight.t().contiguous() if is_conv1d else module.weight.clone()  # [out, in]
-        groups = weight.view(weight.shape[0], -1, m)
-        groups.scatter_(-1, groups.abs().argsort(dim=-1)[..., : m - n], 0.0)
-        module.weight.copy_(weight.t() if is_conv1d else weight)
-
-
-def merged_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = MODELS[kind]()
-    with torch.no_grad():  # initialise biases away from zero so that they are checked too
-        for module in model.modules():
-            if getattr(module, "bias", None) is not None and isinstance(module.bias, torch.nn.Parameter):
-                module.bias.normal_(0, 0.1)
-    magnitude_prune(model)
-    return model.to(dtype).eval()
 
 
 def folder_bytes(folder: Path) -> int:
@@ -264,17 +190,6 @@ def test_load_rejects_non_finite_values(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")
 
 
-def run_without_hf_maskllm(script: str, cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh offline Python where hf_maskllm is not importable from the path or the cwd.
-
-    The script should end with ``assert "hf_maskllm" not in sys.modules``; a failing script fails the test.
-    """
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=cwd)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out
-
-
 def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
     model = merged_model("llama")
     save_compressed(model, tmp_path / "c")
@@ -340,3 +255,32 @@ def test_push_merged_to_hub_and_load_by_repo_id(local_hub):
     assert sum(isinstance(mod, SparseLinear) for mod in loaded.modules()) == len(mask_model.masked_names)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the bound save_pretrained
+def test_trainer_checkpoints_are_compressed(tmp_path):
+    save_compressed(merged_model("llama"), tmp_path / "c")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=TokenDataset(tokens(16, 1)),
+    )
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "hf_maskllm_nm"
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(values_of(reloaded).values(), values_of(model).values(), strict=True)
+    )
+
+
+def test_save_pretrained_refuses_what_it_cannot_write(tmp_path):
+    save_compressed(merged_model("llama"), tmp_path / "c")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    with pytest.raises(CheckpointError, match="safe_serialization"):
+        model.save_pretrained(tmp_path / "x", safe_serialization=False)
+    with pytest.raises(CheckpointError, match="state_dict"):
+        model.save_pretrained(tmp_path / "x", state_dict={"x": torch.zeros(1)})

@@ -15,8 +15,9 @@ import torch
 from models import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
 
-from hf_maskllm.adapters import MaskedLinear, fused_linear, sampling
-from hf_maskllm.adapters.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
+from hf_maskllm.adapters import MaskedLinear
+from hf_maskllm.numerics import fused_linear, sampling
+from hf_maskllm.numerics.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
 from hf_maskllm.patterns import candidate_patterns
 
 TAU, KAPPA = 0.05, 500.0  # the end of the default schedule
@@ -163,7 +164,7 @@ def test_eager_masked_weight_with_unfrozen_base_layer_is_flushed():
     torch.manual_seed(3)
     base = nn.Linear(64, 32)
     layer = MaskedLinear(base, 2, 4, spread_logits(base.weight.detach(), 2, 4)).train()
-    layer.tau, layer.kappa = TAU, KAPPA
+    layer.schedule.update(tau=TAU, kappa=KAPPA)
     base.weight.requires_grad_(True)
     torch.manual_seed(4)
     masked = layer.masked_weight()

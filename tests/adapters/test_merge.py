@@ -1,9 +1,11 @@
-"""merge_and_unload: the plain model with W * hard_mask, equal outputs, vanilla reload, and check_nm."""
+"""merge_and_unload and merged saves: the plain model with W * hard_mask of the active mask, equal outputs,
+vanilla reload."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from mask_states import two_masks
 from models import (
     model_inputs,
     output_tensor,
@@ -14,10 +16,11 @@ from models import (
     tiny_llama_tied,
     tiny_opt,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_maskllm import MaskConfig, MaskedLinear, check_nm, get_mask_model
-from hf_maskllm.errors import MaskLLMError, NMViolationError
+from hf_maskllm.errors import MaskLLMError
 from hf_maskllm.modules import dense_weight_view, is_conv1d
 
 CASES = [
@@ -98,37 +101,6 @@ def test_merge_twice_and_use_after_merge_raise():
         mm.hard_masks()
 
 
-def test_check_nm_reports_planted_violations():
-    mm, _ = _masked(tiny_llama, {"n": 2, "m": 4})
-    merged = mm.merge_and_unload()
-    q = merged.model.layers[0].self_attn.q_proj.weight
-    down = merged.model.layers[1].mlp.down_proj.weight
-    with torch.no_grad():
-        for group in (0, 5, 9):  # 3 groups of q_proj's row 0 get all 4 weights nonzero
-            q[0, 4 * group : 4 * group + 4] = 0.5
-        down[3, 8:12] = torch.tensor([1.0, 1.0, 1.0, 0.0])  # 3 of 4 in one group
-    report = check_nm(merged, 2, 4, raise_on_violation=False)
-    assert report.violations == {"model.layers.0.self_attn.q_proj": 3, "model.layers.1.mlp.down_proj": 1}
-    assert not report.ok and "4 violating groups" in str(report)
-    with pytest.raises(NMViolationError, match="q_proj"):
-        check_nm(merged, 2, 4)
-    # 3:4 allows the 3-of-4 group but not the full ones
-    assert check_nm(merged, 3, 4, raise_on_violation=False).violations == {
-        "model.layers.0.self_attn.q_proj": 3
-    }
-    # excluding the broken layers makes it pass
-    assert check_nm(merged, 2, 4, exclude_modules=["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"]).ok
-
-
-def test_check_nm_on_dense_and_unmerged_models():
-    dense = tiny_llama()
-    report = check_nm(dense, 2, 4, raise_on_violation=False)
-    assert len(report.layers) == 14 and all(bad == groups for groups, bad in report.layers.values())
-    mm = get_mask_model(tiny_llama(), MaskConfig())
-    with pytest.raises(MaskLLMError, match="merge_and_unload"):
-        check_nm(mm, 2, 4)
-
-
 def test_merge_conv1d_keeps_its_layout():
     mm, base = _masked(tiny_gpt2, {"n": 2, "m": 4})
     name = mm.masked_names[0]
@@ -162,3 +134,17 @@ def test_merge_keep_mask_stays_nm_through_training():
         sparse(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         assert check_nm(sparse, 2, 4).ok
+
+
+def test_merge_and_merged_save_use_the_active_mask(tmp_path):
+    mm = two_masks()
+    mm.set_mask("b")
+    mask_b = mm.hard_masks()
+    weights = {name: layer.base_layer.weight.detach().clone() for name, layer in mm.masked_layers().items()}
+    mm.save_pretrained(tmp_path / "dense", merged=True, dense=True)
+    saved = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    for name in mm.masked_names:
+        assert torch.equal(saved[f"{name}.weight"], weights[name] * mask_b[name])
+    merged = mm.merge_and_unload()
+    for name in weights:
+        assert torch.equal(merged.get_submodule(name).weight, weights[name] * mask_b[name])

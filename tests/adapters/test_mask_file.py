@@ -1,18 +1,18 @@
-"""Saving and loading masks: files, size, exact restore, mismatches, corruption, pickles, the Hub."""
+"""The mask files on disk: what a save writes (config, packed masks, logits, card) and their size; masks that do
+not fit the model or the config; corrupt, truncated, bit-flipped, pickled and non-finite files; missing files."""
 
 from __future__ import annotations
 
 import json
 import math
 import struct
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from mask_states import trained_like
 from models import (
     single_thread,  # noqa: F401  (autouse fixture)
-    tiny_gpt2,
     tiny_llama,
     tiny_opt,
 )
@@ -21,24 +21,8 @@ from safetensors.torch import save_file
 
 from hf_maskllm import MaskConfig, MaskModel, get_mask_model
 from hf_maskllm.adapters.config import CONFIG_NAME
-from hf_maskllm.adapters.mask_file import LOGITS_NAME, MASKS_NAME
+from hf_maskllm.adapters.mask_file import LOGITS_NAME, MASKS_NAME, load_mask_config
 from hf_maskllm.errors import MaskFileError, MaskLLMError
-
-
-def _trained_like(factory=tiny_llama, seed: int = 3, **cfg) -> MaskModel:
-    """A mask model whose logits are far from a fresh model's (as after training)."""
-    mm = get_mask_model(factory(), MaskConfig(**{"seed": 0, **cfg}))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in mm.masked_layers().values():
-            layer.mask_logits.copy_(torch.randn(layer.mask_logits.shape, generator=generator))
-    return mm
-
-
-def _assert_same_masks(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -48,7 +32,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 # ---------------------------------------------------------------------------------------------- files
 def test_save_writes_config_masks_and_card(tmp_path):
-    mm = _trained_like(base_model_name_or_path="org/tiny-llama", target_modules=["q_proj", "up_proj"])
+    mm = trained_like(base_model_name_or_path="org/tiny-llama", target_modules=["q_proj", "up_proj"])
     mm.training_summary = {"optimizer_steps": 7, "final_tau": 0.05}
     mm.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, MASKS_NAME, "README.md"])
@@ -78,7 +62,7 @@ def test_base_model_name_is_taken_from_the_model_config(tmp_path):
 
 
 def test_save_logits_writes_and_later_removes_the_logits_file(tmp_path):
-    mm = _trained_like()
+    mm = trained_like()
     mm.save_pretrained(tmp_path, save_logits=True)
     tensors, _ = _read(tmp_path / LOGITS_NAME)
     for name, layer in mm.masked_layers().items():
@@ -89,7 +73,7 @@ def test_save_logits_writes_and_later_removes_the_logits_file(tmp_path):
 
 @pytest.mark.parametrize(("n", "m", "limit"), [(2, 4, 0.66), (1, 4, 0.51), (4, 8, 0.78), (2, 8, 0.62)])
 def test_packed_mask_size_from_file(tmp_path, n, m, limit):
-    mm = _trained_like(n=n, m=m)
+    mm = trained_like(n=n, m=m)
     mm.save_pretrained(tmp_path)
     tensors, _ = _read(tmp_path / MASKS_NAME)
     mask_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith(".mask"))
@@ -98,55 +82,6 @@ def test_packed_mask_size_from_file(tmp_path, n, m, limit):
     assert math.log2(math.comb(m, n)) / m <= bits <= limit
     if (n, m) == (2, 4):
         assert bits <= 0.70 and bits == pytest.approx(0.647, abs=0.01)  # small layers round up a bit
-
-
-# ---------------------------------------------------------------------------------------------- exact restore
-@pytest.mark.parametrize("save_logits", [False, True], ids=["masks-only", "with-logits"])
-@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4), (3, 4), (4, 8), (3, 8), (2, 8)])
-def test_from_pretrained_restores_exact_hard_masks(tmp_path, n, m, save_logits):
-    mm = _trained_like(n=n, m=m)
-    saved = mm.hard_masks()
-    mm.save_pretrained(tmp_path, save_logits=save_logits)
-    fresh = tiny_llama(seed=9)  # other weights: masks do not depend on them
-    untrained = get_mask_model(tiny_llama(), MaskConfig(n=n, m=m)).hard_masks()
-    assert not any(torch.equal(saved[k], untrained[k]) for k in saved)  # the restore cannot pass by chance
-    loaded = MaskModel.from_pretrained(fresh, tmp_path)
-    assert (loaded.mask_config.n, loaded.mask_config.m) == (n, m)
-    assert not loaded.training  # inference by default
-    assert not any(p.requires_grad for p in loaded.parameters())
-    _assert_same_masks(loaded.hard_masks(), saved)
-    if save_logits:
-        for name, layer in loaded.masked_layers().items():
-            assert torch.equal(layer.mask_logits, mm.masked_layers()[name].mask_logits.detach())
-
-
-@pytest.mark.parametrize("save_logits", [False, True], ids=["masks-only", "with-logits"])
-def test_restore_with_bfloat16_logits(tmp_path, save_logits):
-    mm = _trained_like(n=2, m=4, logits_dtype="bfloat16")
-    mm.save_pretrained(tmp_path, save_logits=save_logits)
-    loaded = MaskModel.from_pretrained(tiny_llama(), tmp_path)
-    assert all(layer.mask_logits.dtype == torch.bfloat16 for layer in loaded.masked_layers().values())
-    _assert_same_masks(loaded.hard_masks(), mm.hard_masks())
-
-
-def test_from_pretrained_trainable_and_conv1d(tmp_path):
-    mm = _trained_like(tiny_gpt2, n=2, m=4)
-    mm.save_pretrained(tmp_path)
-    loaded = MaskModel.from_pretrained(tiny_gpt2(seed=4), tmp_path, is_trainable=True)
-    assert all(layer.mask_logits.requires_grad for layer in loaded.masked_layers().values())
-    _assert_same_masks(loaded.hard_masks(), mm.hard_masks())
-
-
-def test_loaded_mask_gives_identical_eval_outputs(tmp_path):
-    mm = _trained_like()
-    mm.eval()
-    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = mm(input_ids=ids).logits
-    mm.save_pretrained(tmp_path)
-    loaded = MaskModel.from_pretrained(tiny_llama(), tmp_path)  # same base weights (seed 0)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- mismatches
@@ -160,20 +95,14 @@ def test_loaded_mask_gives_identical_eval_outputs(tmp_path):
     ids=["other-hidden", "other-intermediate", "other-architecture"],
 )
 def test_loading_into_another_model_raises(tmp_path, factory, needle):
-    _trained_like().save_pretrained(tmp_path)
+    trained_like().save_pretrained(tmp_path)
     with pytest.raises(MaskFileError, match=needle):
         MaskModel.from_pretrained(factory(), tmp_path)
 
 
-def test_loading_into_a_model_without_the_targets_raises(tmp_path):
-    _trained_like(target_modules=["q_proj"]).save_pretrained(tmp_path)
-    with pytest.raises(MaskLLMError):
-        MaskModel.from_pretrained(tiny_gpt2(), tmp_path)
-
-
 def test_masks_of_another_nm_than_the_config_raise(tmp_path):
-    _trained_like(n=2, m=4).save_pretrained(tmp_path / "a")
-    _trained_like(n=1, m=4).save_pretrained(tmp_path / "b")
+    trained_like(n=2, m=4).save_pretrained(tmp_path / "a")
+    trained_like(n=1, m=4).save_pretrained(tmp_path / "b")
     # the 1:4 mask file beside the 2:4 config
     (tmp_path / "a" / MASKS_NAME).write_bytes((tmp_path / "b" / MASKS_NAME).read_bytes())
     with pytest.raises(MaskFileError, match="1:4"):
@@ -181,21 +110,13 @@ def test_masks_of_another_nm_than_the_config_raise(tmp_path):
 
 
 def test_prior_of_another_nm_raises(tmp_path):
-    _trained_like(n=2, m=4).save_pretrained(tmp_path)
+    trained_like(n=2, m=4).save_pretrained(tmp_path)
     with pytest.raises(MaskFileError, match="2:4"):
         get_mask_model(tiny_llama(), MaskConfig(n=1, m=4, prior=str(tmp_path)))
 
 
-def test_logits_that_disagree_with_the_masks_raise(tmp_path):
-    _trained_like(seed=1).save_pretrained(tmp_path / "a", save_logits=True)
-    _trained_like(seed=2).save_pretrained(tmp_path / "b", save_logits=True)
-    (tmp_path / "a" / LOGITS_NAME).write_bytes((tmp_path / "b" / LOGITS_NAME).read_bytes())
-    with pytest.raises(MaskFileError, match="disagree"):
-        MaskModel.from_pretrained(tiny_llama(), tmp_path / "a")
-
-
 def test_missing_files_raise(tmp_path):
-    _trained_like().save_pretrained(tmp_path)
+    trained_like().save_pretrained(tmp_path)
     (tmp_path / MASKS_NAME).unlink()
     with pytest.raises(MaskFileError, match=MASKS_NAME):
         MaskModel.from_pretrained(tiny_llama(), tmp_path)
@@ -228,7 +149,7 @@ def _first_mask_key(path: Path) -> str:
     ],
 )
 def test_corrupted_mask_file_raises(tmp_path, corruption):
-    _trained_like().save_pretrained(tmp_path)
+    trained_like().save_pretrained(tmp_path)
     path = tmp_path / MASKS_NAME
     key = _first_mask_key(path)
     layer = key[: -len(".mask")]
@@ -264,7 +185,7 @@ def _tensor_byte_range(path: Path, key: str) -> tuple[int, int]:
 
 def test_flipped_bit_in_packed_mask_is_detected(tmp_path):
     """A single flipped bit usually still decodes to a valid mask: only a checksum can catch it."""
-    _trained_like().save_pretrained(tmp_path)
+    trained_like().save_pretrained(tmp_path)
     path = tmp_path / MASKS_NAME
     start, end = _tensor_byte_range(path, _first_mask_key(path))
     raw = bytearray(path.read_bytes())
@@ -275,7 +196,7 @@ def test_flipped_bit_in_packed_mask_is_detected(tmp_path):
 
 
 def test_truncated_file_raises(tmp_path):
-    _trained_like().save_pretrained(tmp_path)
+    trained_like().save_pretrained(tmp_path)
     path = tmp_path / MASKS_NAME
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(MaskFileError, match="corrupt or truncated"):
@@ -284,7 +205,7 @@ def test_truncated_file_raises(tmp_path):
 
 @pytest.mark.parametrize("file_name", [MASKS_NAME, LOGITS_NAME])
 def test_pickle_in_place_of_safetensors_is_refused(tmp_path, file_name):
-    mm = _trained_like()
+    mm = trained_like()
     mm.save_pretrained(tmp_path, save_logits=True)
     payload = {k: v for k, v in mm.state_dict().items()}
     torch.save(payload, tmp_path / file_name)  # a zip pickle
@@ -296,7 +217,7 @@ def test_pickle_in_place_of_safetensors_is_refused(tmp_path, file_name):
 
 
 def test_non_finite_logits_are_not_saved_or_loaded(tmp_path):
-    mm = _trained_like()
+    mm = trained_like()
     mm.save_pretrained(tmp_path, save_logits=True)
     with torch.no_grad():
         next(iter(mm.masked_layers().values())).mask_logits[0, 0] = float("nan")
@@ -312,39 +233,11 @@ def test_non_finite_logits_are_not_saved_or_loaded(tmp_path):
         MaskModel.from_pretrained(tiny_llama(), tmp_path)
 
 
-# ---------------------------------------------------------------------------------------------- the Hub
-def test_push_to_hub_then_load_by_repo_id(local_hub):
-    mm = _trained_like(n=2, m=4)
-    mm.push_to_hub("user/tiny-mask")
-    files = local_hub.repo_files("user/tiny-mask")
-    assert {CONFIG_NAME, MASKS_NAME, "README.md"} <= set(files)
-    loaded = MaskModel.from_pretrained(tiny_llama(seed=1), "user/tiny-mask")
-    _assert_same_masks(loaded.hard_masks(), mm.hard_masks())
-    # and as a transfer prior by repo id
-    prior = get_mask_model(tiny_llama(), MaskConfig(prior="user/tiny-mask", seed=5))
-    _assert_same_masks(prior.hard_masks(), mm.hard_masks())
-
-
-def test_push_with_logits(local_hub):
-    mm = _trained_like(n=1, m=4)
-    mm.push_to_hub("user/with-logits", save_logits=True)
-    assert LOGITS_NAME in local_hub.repo_files("user/with-logits")
-    loaded = MaskModel.from_pretrained(tiny_llama(), "user/with-logits", is_trainable=True)
-    for name, layer in loaded.masked_layers().items():
-        assert torch.equal(layer.mask_logits.detach(), mm.masked_layers()[name].mask_logits.detach())
-
-
-def test_missing_repo_fails_fast(local_hub):
-    start = time.perf_counter()
-    with pytest.raises(MaskFileError, match="no Hub repo of that id exists"):
-        MaskModel.from_pretrained(tiny_llama(), "user/no-such-mask")
-    with pytest.raises(MaskFileError):
-        MaskConfig.from_pretrained("user/no-such-mask")
-    assert time.perf_counter() - start < 5.0
-
-
-def test_repo_id_offline_fails_fast():
-    start = time.perf_counter()
-    with pytest.raises(MaskFileError, match="Hub"):
-        MaskModel.from_pretrained(tiny_llama(), "user/not-cached")
-    assert time.perf_counter() - start < 5.0
+def test_a_mask_config_of_the_wrong_kind_names_the_fix(tmp_path):
+    (tmp_path / CONFIG_NAME).write_text("[1, 2]")
+    with pytest.raises(MaskFileError, match=rf"JSON object.* Fix {CONFIG_NAME}, or save the mask again"):
+        load_mask_config(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(MaskFileError, match="upgrade") as info:
+        load_mask_config(tmp_path)
+    assert "Fix" not in str(info.value)  # the file is fine, this hf_maskllm is old

@@ -87,7 +87,7 @@ def hash_index(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     bijection of the index, so a seed picks a scrambled window of one pseudo-random table. The index
     enters only through ``index + seed[0]`` (an FSDP shard offsets ``seed[0]`` to draw the bits of its
     elements). Two multiply rounds per element, not four: the hash is a large part of a sampling pass,
-    and ``tests/test_sampling.py`` checks the noise it gives (uniformity, independence of a group's
+    and ``tests/numerics/test_sampling.py`` checks the noise it gives (uniformity, independence of a group's
     candidates, Gumbel-max frequencies equal to the softmax).
     """
     return _mix32((index + seed[0]) ^ seed[1])

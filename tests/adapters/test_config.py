@@ -1,4 +1,5 @@
-"""MaskConfig: defaults, candidates, schedules, validation and the mask_config.json round trip."""
+"""MaskConfig: defaults, candidates, validation (the prior named with a close match) and the mask_config.json
+round trip."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import math
 
 import pytest
 import torch
+from models import single_thread, tiny_llama  # noqa: F401  (single_thread: autouse)
 
-from hf_maskllm import MaskConfig
+from hf_maskllm import MaskConfig, get_mask_model
 from hf_maskllm.adapters.config import CONFIG_NAME, FORMAT_VERSION
-from hf_maskllm.adapters.schedules import schedule_value
 from hf_maskllm.errors import ConfigError, MaskFileError
 from hf_maskllm.patterns import candidate_patterns
 
@@ -46,42 +47,6 @@ def test_every_nm_up_to_8_is_valid_with_combinations_order(n, m):
     for row, keep in enumerate(itertools.combinations(range(m), n)):
         expected[row, list(keep)] = 1.0
     assert torch.equal(cand, expected)
-
-
-# ---------------------------------------------------------------------------------------------- schedules
-@pytest.mark.parametrize(
-    ("start", "end", "kind", "progress", "expected"),
-    [
-        # linear: start + (end - start) * t
-        (4.0, 0.05, "linear", 0.0, 4.0),
-        (4.0, 0.05, "linear", 0.5, 2.025),
-        (4.0, 0.05, "linear", 0.25, 3.0125),
-        (4.0, 0.05, "linear", 1.0, 0.05),
-        (100.0, 500.0, "linear", 0.5, 300.0),
-        (100.0, 500.0, "linear", 0.75, 400.0),
-        # cosine: end + (start - end) * (1 + cos(pi t)) / 2
-        (4.0, 0.05, "cosine", 0.0, 4.0),
-        (4.0, 0.05, "cosine", 0.5, 2.025),
-        (4.0, 0.05, "cosine", 0.25, 0.05 + 3.95 * (1 + math.sqrt(0.5)) / 2),
-        (4.0, 0.05, "cosine", 1.0, 0.05),
-        (100.0, 500.0, "cosine", 0.25, 500.0 - 400.0 * (1 + math.sqrt(0.5)) / 2),
-        # exponential: start * (end / start) ** t; the midpoint is the geometric mean
-        (4.0, 0.05, "exponential", 0.0, 4.0),
-        (4.0, 0.05, "exponential", 0.5, math.sqrt(4.0 * 0.05)),
-        (4.0, 0.05, "exponential", 1.0, 0.05),
-        (100.0, 500.0, "exponential", 0.5, math.sqrt(100.0 * 500.0)),
-        # progress is clamped to [0, 1]
-        (4.0, 0.05, "linear", -0.5, 4.0),
-        (4.0, 0.05, "exponential", 1.5, 0.05),
-    ],
-)
-def test_schedule_values_by_hand(start, end, kind, progress, expected):
-    assert schedule_value(start, end, progress, kind) == pytest.approx(expected, rel=1e-12)
-
-
-def test_unknown_schedule_kind_raises():
-    with pytest.raises(ConfigError, match="step"):
-        schedule_value(4.0, 0.05, 0.5, "step")
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -143,6 +108,14 @@ def test_from_dict_rejects_unknown_and_missing_fields():
     with pytest.raises(ConfigError, match="missing"):
         MaskConfig.from_dict({"n": 2, "m": 4}, require_all=True)
     assert MaskConfig.from_dict({"n": 1, "m": 4}).n == 1
+
+
+def test_a_misspelt_prior_lists_the_methods():
+    with pytest.raises(ConfigError, match=r"Did you mean prior='sparsegpt'\?") as info:
+        get_mask_model(tiny_llama(), MaskConfig(prior="sparsegtp"))
+    assert "magnitude" in str(info.value) and "owner/name" in str(info.value)
+    with pytest.raises(ConfigError, match="not a one-shot method"):
+        get_mask_model(tiny_llama(), MaskConfig(prior="no-such-folder"))
 
 
 # ---------------------------------------------------------------------------------------------- JSON

@@ -6,12 +6,12 @@ import pytest
 import torch
 from models import single_thread  # noqa: F401  (autouse fixture)
 from peft import LoraConfig, get_peft_model
-from test_sparse_checkpoint import merged_model
+from sparse_helpers import merged_model
 from transformers import AutoModelForCausalLM
 
 from hf_maskllm import MaskConfig, check_nm, get_mask_model
 from hf_maskllm.errors import ConfigError, TargetError
-from hf_maskllm.sparse import SparseLinear, SparseLoraLinear, save_compressed
+from hf_maskllm.sparse import SparseLinear, SparseLoraLinear, register_lora, save_compressed
 
 TARGETS = {
     "llama": ["q_proj", "v_proj", "up_proj", "down_proj"],
@@ -43,9 +43,9 @@ def test_lora_trains_merges_to_exact_nm_and_saves_compressed(kind, tmp_path):
     ids = batch()
     with torch.no_grad():
         base_logits = model(ids).logits
-    # a plain LoraConfig: hf_maskllm registered its layer with PEFT's custom-module dispatch
+    # register_lora maps SparseLinear to its LoRA layer in the config (PEFT's custom-module dispatch)
     peft_model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.1)
+        model, register_lora(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.1))
     )
     wrapped = [mod for mod in peft_model.modules() if isinstance(mod, SparseLoraLinear)]
     assert len(wrapped) >= len(TARGETS[kind])
@@ -89,7 +89,9 @@ def test_lora_trains_merges_to_exact_nm_and_saves_compressed(kind, tmp_path):
 
 def test_lora_delta_is_restricted_to_the_kept_positions(tmp_path):
     model = loaded_compressed("llama", tmp_path / "c")
-    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        model, register_lora(LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    )
     layer = next(mod for mod in peft_model.modules() if isinstance(mod, SparseLoraLinear))
     delta = layer.get_delta_weight("default")
     keep = layer.get_base_layer().keep_mask()
@@ -103,10 +105,10 @@ def test_lora_delta_is_restricted_to_the_kept_positions(tmp_path):
 def test_lora_variants_that_would_densify_are_refused(tmp_path):
     model = loaded_compressed("llama", tmp_path / "c")
     with pytest.raises(ConfigError, match="DoraLinearVariant"):
-        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+        get_peft_model(model, register_lora(LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)))
     # a second adapter goes through update_layer on the existing LoRA layer: refused there too
     peft_model = get_peft_model(
-        loaded_compressed("llama", tmp_path / "d"), LoraConfig(r=2, target_modules=["q_proj"])
+        loaded_compressed("llama", tmp_path / "d"), register_lora(LoraConfig(r=2, target_modules=["q_proj"]))
     )
     with pytest.raises(ConfigError, match="DoraLinearVariant"):
         peft_model.add_adapter("dora", LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
@@ -130,24 +132,27 @@ def test_saved_adapter_reloads_onto_a_compressed_model(tmp_path):
 
     peft_model = get_peft_model(
         loaded_compressed("llama", tmp_path / "c"),
-        LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False),
+        register_lora(LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)),
     )
     ids = batch()
     with torch.no_grad():
         expected = peft_model(ids).logits
     peft_model.save_pretrained(tmp_path / "adapter")
+    config = register_lora(LoraConfig.from_pretrained(tmp_path / "adapter"))
     reloaded = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tmp_path / "c"), tmp_path / "adapter"
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c"), tmp_path / "adapter", config=config
     )
     assert any(isinstance(mod, SparseLoraLinear) for mod in reloaded.modules())
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
 
 
-def test_every_lora_config_carries_the_sparse_mapping():
-    from hf_maskllm.sparse import install
-
-    install()  # idempotent: a second call does not wrap twice
-    config = LoraConfig(r=2, target_modules=["q_proj"])
+def test_register_lora_maps_the_sparse_layer_in_that_config_only(tmp_path):
+    # importing hf_maskllm changes no PEFT class: a plain LoraConfig knows nothing of compressed layers
+    plain = LoraConfig(r=2, target_modules=["q_proj"])
+    assert plain._custom_modules is None
+    with pytest.raises(ValueError, match=r"SparseLinear.*is not supported"):
+        get_peft_model(loaded_compressed("llama", tmp_path / "c"), plain)
+    config = register_lora(register_lora(LoraConfig(r=2, target_modules=["q_proj"])))  # idempotent
     assert config._custom_modules == {SparseLinear: SparseLoraLinear}
     assert "_custom_modules" not in config.to_dict()  # nothing of it is saved with an adapter

@@ -1,0 +1,117 @@
+"""The training schedule: ``schedule_value`` (linear, cosine, exponential) and the one ``MaskSchedule`` a model
+owns and its masked layers read (tau, kappa, the regulariser, compiled or recomputed sampling)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
+
+from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
+from hf_maskllm.adapters import MaskSchedule
+from hf_maskllm.adapters.schedule import schedule_value
+from hf_maskllm.errors import ConfigError
+from hf_maskllm.numerics import fused_linear
+
+
+# ---------------------------------------------------------------------------------------------- schedule_value
+@pytest.mark.parametrize(
+    ("start", "end", "kind", "progress", "expected"),
+    [
+        # linear: start + (end - start) * t
+        (4.0, 0.05, "linear", 0.0, 4.0),
+        (4.0, 0.05, "linear", 0.5, 2.025),
+        (4.0, 0.05, "linear", 0.25, 3.0125),
+        (4.0, 0.05, "linear", 1.0, 0.05),
+        (100.0, 500.0, "linear", 0.5, 300.0),
+        (100.0, 500.0, "linear", 0.75, 400.0),
+        # cosine: end + (start - end) * (1 + cos(pi t)) / 2
+        (4.0, 0.05, "cosine", 0.0, 4.0),
+        (4.0, 0.05, "cosine", 0.5, 2.025),
+        (4.0, 0.05, "cosine", 0.25, 0.05 + 3.95 * (1 + math.sqrt(0.5)) / 2),
+        (4.0, 0.05, "cosine", 1.0, 0.05),
+        (100.0, 500.0, "cosine", 0.25, 500.0 - 400.0 * (1 + math.sqrt(0.5)) / 2),
+        # exponential: start * (end / start) ** t; the midpoint is the geometric mean
+        (4.0, 0.05, "exponential", 0.0, 4.0),
+        (4.0, 0.05, "exponential", 0.5, math.sqrt(4.0 * 0.05)),
+        (4.0, 0.05, "exponential", 1.0, 0.05),
+        (100.0, 500.0, "exponential", 0.5, math.sqrt(100.0 * 500.0)),
+        # progress is clamped to [0, 1]
+        (4.0, 0.05, "linear", -0.5, 4.0),
+        (4.0, 0.05, "exponential", 1.5, 0.05),
+    ],
+)
+def test_schedule_values_by_hand(start, end, kind, progress, expected):
+    assert schedule_value(start, end, progress, kind) == pytest.approx(expected, rel=1e-12)
+
+
+def test_unknown_schedule_kind_raises():
+    with pytest.raises(ConfigError, match="step"):
+        schedule_value(4.0, 0.05, 0.5, "step")
+
+
+# ---------------------------------------------------------------------------------------------- MaskSchedule
+def test_update_sets_several_fields_and_refuses_unknown_ones():
+    schedule = MaskSchedule()
+    assert (schedule.tau, schedule.kappa, schedule.hard, schedule.sparse_reg_weight) == (
+        4.0,
+        100.0,
+        False,
+        0.0,
+    )
+    assert (schedule.reg_divisor, schedule.compiled_sampling, schedule.recompute_sampling) == (1, False, None)
+    schedule.update(tau=0.5, kappa=300.0)
+    assert (schedule.tau, schedule.kappa) == (0.5, 300.0)
+    with pytest.raises(ConfigError, match=r"MaskSchedule has no field \['grad_accum_steps', 'taus'\]"):
+        schedule.update(taus=1.0, grad_accum_steps=2, kappa=1.0)
+    assert schedule.kappa == 300.0  # nothing is set when a name is unknown
+
+
+def test_set_schedule_values_updates_the_schedule_every_layer_reads():
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    assert all(layer.schedule is mm.schedule for layer in mm.masked_layers().values())
+    assert not mm.schedule.driven
+    mm.set_schedule_values(2.0, 200.0)
+    assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.sparse_reg_weight) == (2.0, 200.0, 0.0)
+    assert mm.schedule.driven  # a training loop sets it: no warning about a missing callback
+    mm.set_schedule_values(1.0, 300.0, sparse_reg_weight=1e-4)
+    assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.sparse_reg_weight) == (1.0, 300.0, 1e-4)
+    other = get_mask_model(tiny_llama(), MaskConfig())
+    assert other.schedule is not mm.schedule and other.schedule.tau == 4.0  # one schedule per model
+
+
+def test_compiled_sampling_is_per_model_and_restored_after_training():
+    """Two models in one process keep their own setting; the callback restores the model's own."""
+    a = get_mask_model(tiny_llama(seed=0), MaskConfig())
+    b = get_mask_model(tiny_llama(seed=1), MaskConfig())
+    assert a.set_compiled_sampling(True) is False
+    assert a.schedule.compiled_sampling and not b.schedule.compiled_sampling
+    assert all(layer.schedule is a.schedule for layer in a.masked_layers().values())
+    assert all(layer.schedule is b.schedule for layer in b.masked_layers().values())
+    # b trains eager: nothing is compiled on its behalf
+    fused_linear._COMPILED.clear()
+    b.train()
+    ids = torch.randint(0, b.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    b(input_ids=ids, labels=ids).loss.backward()
+    assert not fused_linear._COMPILED
+    # the callback turns b's on for its run and gives b back its own setting (off), leaving a's (on)
+    args = SimpleNamespace(n_gpu=1, world_size=1, gradient_accumulation_steps=1)
+    state = SimpleNamespace(global_step=0, max_steps=1)
+    callback = MaskAnnealCallback(log_mask_stats=False, compile_sampling=True)
+    callback.on_train_begin(args, state, None, model=b)
+    assert b.schedule.compiled_sampling
+    callback.on_train_end(args, state, None, model=b)
+    assert not b.schedule.compiled_sampling
+    assert a.schedule.compiled_sampling
+
+
+def test_set_recompute_sampling_sets_every_layer_and_returns_the_previous():
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    assert mm.set_recompute_sampling(True) is None
+    assert mm.schedule.recompute_sampling is True
+    assert all(layer.schedule is mm.schedule for layer in mm.masked_layers().values())
+    assert mm.set_recompute_sampling(None) is True
+    assert mm.schedule.recompute_sampling is None

@@ -1,0 +1,143 @@
+"""Which layers get a mask: target_modules / exclude_modules (name suffixes, regexes, "all-linear"),
+layers that cannot be masked, and list entries that match nothing, named with a close match."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from models import odd_net, single_thread, tiny_gpt2, tiny_llama  # noqa: F401  (single_thread: autouse)
+from torch import nn
+
+from hf_maskllm import MaskConfig, get_mask_model
+from hf_maskllm.adapters.targets import find_targets
+from hf_maskllm.errors import TargetError
+
+
+def test_indivisible_layer_is_skipped_with_a_warning_naming_it():
+    with pytest.warns(UserWarning, match=r"odd \(in_features=6\)"):
+        mm = get_mask_model(odd_net(), MaskConfig(target_modules=["up", "odd", "down"]))
+    assert mm.masked_names == ["up", "down"]
+    assert isinstance(mm.base_model.odd, nn.Linear)
+    mm.eval()
+    assert mm(torch.randn(3, 8)).shape == (3, 8)
+
+
+def test_indivisible_layer_with_strict_raises():
+    with pytest.raises(TargetError, match="odd"):
+        get_mask_model(odd_net(), MaskConfig(strict=True))
+
+
+def test_all_linear_on_custom_module_masks_every_divisible_layer():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 6 is divisible by 2: no warning
+        mm = get_mask_model(odd_net(), MaskConfig(n=1, m=2))
+    assert mm.masked_names == ["up", "odd", "down"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (
+            {"target_modules": ["q_proj"]},
+            ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"],
+        ),
+        ({"target_modules": ["layers.1.mlp.down_proj"]}, ["model.layers.1.mlp.down_proj"]),
+        (
+            {"target_modules": r"model\.layers\.1\.self_attn\.[qk]_proj"},
+            ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"],
+        ),
+        (
+            {"target_modules": ["q_proj", "down_proj"], "exclude_modules": r"model\.layers\.0\..*"},
+            ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"],
+        ),
+    ],
+)
+def test_target_and_exclude_selection(kwargs, expected):
+    mm = get_mask_model(tiny_llama(), MaskConfig(**kwargs))
+    assert mm.masked_names == expected
+
+
+def test_exclude_suffix_matches_module_names_not_their_children():
+    mm = get_mask_model(tiny_llama(), MaskConfig(exclude_modules=["self_attn.q_proj", "mlp"]))
+    assert len(mm.masked_names) == 12  # 'mlp' names the MLP block, whose projections stay targets
+    assert not any(name.endswith("q_proj") for name in mm.masked_names)
+
+
+def test_excluding_everything_raises():
+    with pytest.raises(TargetError, match="matched no maskable layer"):
+        get_mask_model(tiny_llama(), MaskConfig(exclude_modules=r".*_proj"))
+
+
+def test_list_is_suffix_match_on_dotted_names_and_regex_is_full_match():
+    with pytest.raises(TargetError, match="matched no maskable layer"):
+        get_mask_model(tiny_llama(), MaskConfig(target_modules=["proj"]))  # not a dotted suffix
+    with pytest.raises(TargetError, match="matched no maskable layer"):
+        get_mask_model(tiny_llama(), MaskConfig(target_modules="q_proj"))  # regex must match the full name
+    mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=".*q_proj"))
+    assert len(mm.masked_names) == 2
+
+
+def test_explicit_lm_head_target_is_masked_but_all_linear_skips_it():
+    mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["lm_head"]))
+    assert mm.masked_names == ["lm_head"]
+    mm2 = get_mask_model(tiny_llama(), MaskConfig(exclude_modules=["q_proj"]))
+    assert "lm_head" not in mm2.masked_names
+
+
+@pytest.mark.parametrize(
+    ("targets", "type_name"),
+    [(["embed_tokens"], "Embedding"), (["mlp"], "LlamaMLP"), (["input_layernorm"], "LlamaRMSNorm")],
+)
+def test_unsupported_module_named_explicitly_raises(targets, type_name):
+    with pytest.raises(TargetError, match=type_name):
+        get_mask_model(tiny_llama(), MaskConfig(target_modules=targets))
+
+
+def test_targets_matching_nothing_raise():
+    with pytest.raises(TargetError, match="nonexistent"):
+        get_mask_model(tiny_llama(), MaskConfig(target_modules=["nonexistent"]))
+
+
+# ---------------------------------------------------------------------------------------------- entries that match nothing
+def test_a_target_entry_that_matches_nothing_is_named_with_a_close_match():
+    with pytest.warns(UserWarning) as caught:
+        mm = get_mask_model(tiny_llama(), MaskConfig(target_modules=["q_proj", "k_prj"]))
+    messages = [str(w.message) for w in caught if "matches no module" in str(w.message)]
+    assert messages == [
+        "target_modules entry 'k_prj' matches no module of LlamaForCausalLM; it selects nothing. Did you mean 'k_proj'?"
+    ]
+    assert [name.rsplit(".", 1)[1] for name in mm.masked_names] == [
+        "q_proj",
+        "q_proj",
+    ]  # the rest still applies
+
+
+def test_an_exclude_entry_that_matches_nothing_is_named_too():
+    with pytest.warns(
+        UserWarning, match=r"exclude_modules entry 'down_prj' matches no module.*'down_proj'\?"
+    ):
+        mm = get_mask_model(tiny_llama(), MaskConfig(exclude_modules=["q_proj", "down_prj"]))
+    assert len(mm.masked_names) == 12  # down_proj stays masked: the typo excluded nothing
+
+
+def test_an_entry_far_from_every_name_is_named_without_a_guess():
+    with pytest.warns(UserWarning, match="'experts' matches no module of GPT2LMHeadModel") as caught:
+        names = find_targets(tiny_gpt2(), ["c_attn", "experts"], None, 4)
+    assert names == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
+    assert not any("Did you mean" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    ("targets", "exclude"),
+    [
+        (["q_proj", "layers.1.mlp.down_proj"], ["layers.0.self_attn.q_proj"]),  # dotted suffixes match
+        (r".*\.(q|k)_proj", r"model\.layers\.0\..*"),  # regexes are not checked entry by entry
+        ("all-linear", None),
+    ],
+)
+def test_entries_that_all_match_say_nothing(targets, exclude):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_mask_model(tiny_llama(), MaskConfig(target_modules=targets, exclude_modules=exclude))
