@@ -6,7 +6,7 @@ logit gradient (before the optimizer step) and every logit (after it) for NaN / 
 table of the loss by tau band and the final held-out perplexity; exits non-zero on any non-finite value.
 
 Run (CPU, about 2-3 s per step at the defaults):
-    HF_HUB_OFFLINE=1 python benchmarks/bf16_stability.py --steps 300 --out benchmarks/results/bf16_stability.md
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/bf16_stability.py --steps 300 --seqlen 128
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 from transformers import TrainerCallback
 
 from hf_maskllm import MaskConfig, get_mask_model
@@ -84,7 +85,12 @@ def main() -> None:
         r["step"] for r in logs if not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0.0))
     ]
     bands = [(4.0, 3.0), (3.0, 2.0), (2.0, 1.0), (1.0, 0.0)]
+    info = run_info("benchmarks/bf16_stability.py")
     lines = [
+        "# bf16 stability of mask learning: SmolLM2-135M-Instruct",
+        "",
+        *header_lines(info),
+        "",
         f"SmolLM2-135M-Instruct, 2:4, magnitude prior, bf16 autocast + bf16 logits + MaskAdamW, default schedules "
         f"(tau 4 -> 0.05, kappa 100 -> 500); {args.steps} steps x {args.batch_size} x {args.seqlen} tokens, "
         f"lr {args.lr}; {seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads",
@@ -117,7 +123,22 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "log": logs}, indent=2))
+    summary = {
+        "minutes": seconds / 60,
+        "threads": torch.get_num_threads(),
+        "nonfinite": {
+            "loss_or_grad_norm": bad_loss,
+            "logit_grads": watch.bad_grads,
+            "logits": watch.bad_logits,
+        },
+        "max_abs_logit": watch.max_abs_logit,
+        "max_abs_logit_grad": watch.max_abs_grad,
+        "heldout_wikipedia_ppl": ppl,
+        "loss": {"first": logs[0]["loss"], "last": logs[-1]["loss"], "max": max(r["loss"] for r in logs)},
+    }
+    out.with_suffix(".json").write_text(
+        json.dumps({**info, "args": vars(args), "summary": summary, "log": logs}, indent=2) + "\n"
+    )
     if bad_loss or watch.bad_grads or watch.bad_logits:
         raise SystemExit("non-finite values: see the table")
 

@@ -4,10 +4,11 @@ Every setting starts from the same SparseGPT 2:4 prior of SmolLM2-135M-Instruct 
 same budget (steps x batch x seqlen tokens of Wikipedia train); only the logits' dtype and the
 optimizer differ. Bytes are summed over tensors after the first optimizer step: the logits, one
 gradient per logit (in the logits' dtype) and every optimizer state tensor; per masked weight.
-Perplexity: held-out Wikipedia and news (``hf_maskllm.perplexity``), hard masks.
+Perplexity: held-out Wikipedia and news (``hf_maskllm.perplexity``), hard masks, of the prior and of
+every setting, all in one run.
 
-Run (CPU, about 8 min per setting at the defaults):
-    HF_HUB_OFFLINE=1 python benchmarks/memory_settings.py --steps 100 --out benchmarks/results/memory_settings.md
+Run (CPU, about 5 min per setting at 40 steps on one thread):
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/memory_settings.py --steps 40
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 from transformers import TrainerCallback
 
 from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
@@ -95,7 +97,7 @@ class StateProbe(TrainerCallback):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -121,6 +123,24 @@ def main() -> None:
         )
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
 
+    def heldout(model) -> dict[str, float]:
+        return {
+            corpus: evaluate_perplexity(
+                model,
+                tokenizer,
+                f"{corpus}:heldout",
+                seqlen=512,
+                max_windows=args.eval_windows,
+                progress=False,
+            )
+            for corpus in ("wikipedia", "news")
+        }
+
+    model, tokenizer = load_smollm2()
+    dense_ppl = heldout(model)
+    prior_ppl = heldout(get_mask_model(model, MaskConfig(prior=str(prior_dir))).eval())
+    print("dense", json.dumps(dense_ppl), "prior", json.dumps(prior_ppl), flush=True)
+
     rows = []
     for key in args.settings.split(","):
         label, dtype, optimizer_cls, extra = SETTINGS[key]
@@ -145,17 +165,8 @@ def main() -> None:
         # What the run holds across steps, callback state included (gradients counted at their size).
         probe.bytes = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-        ppl = {
-            corpus: evaluate_perplexity(
-                mask_model,
-                tokenizer,
-                f"{corpus}:heldout",
-                seqlen=512,
-                max_windows=args.eval_windows,
-                progress=False,
-            )
-            for corpus in ("wikipedia", "news")
-        }
+        ppl = heldout(mask_model.eval())
+        gap = {c: (prior_ppl[c] - ppl[c]) / (prior_ppl[c] - dense_ppl[c]) for c in ppl}
         per_weight = {k: v / masked for k, v in probe.bytes.items()}
         rows.append(
             {
@@ -163,6 +174,7 @@ def main() -> None:
                 "label": label,
                 "bytes_per_weight": per_weight,
                 "ppl": ppl,
+                "gap_closed": gap,
                 "seconds": seconds,
                 "losses": losses,
             }
@@ -171,13 +183,27 @@ def main() -> None:
 
     ref = next((r for r in rows if r["key"] == "fp32-adamw"), None)
     tokens = args.steps * args.batch_size * args.seqlen
+    info = run_info("benchmarks/memory_settings.py")
     lines = [
-        f"SmolLM2-135M-Instruct, 2:4, SparseGPT prior; {args.steps} steps x {args.batch_size} x {args.seqlen} "
+        "# Training-state memory against quality: SmolLM2-135M-Instruct",
+        "",
+        *header_lines(info),
+        "",
+        f"SmolLM2-135M-Instruct, 2:4, one SparseGPT prior ({args.calib_samples} x 512 calibration tokens) for every "
+        f"setting; {args.steps} steps x {args.batch_size} x {args.seqlen} "
         f"tokens ({tokens:,}), lr {args.lr}, betas {BETAS}, weight decay 0.1, seed {args.seed}; held-out {args.eval_windows} x 512 "
         f"tokens per corpus; {torch.get_num_threads()} CPU threads",
         "",
-        "| setting | logits | grads | optimizer | bytes / masked weight | Wikipedia | news | vs fp32 (wiki / news) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Bytes: `training_state_bytes(model, optimizer, callbacks)` after the run (logits, one gradient per "
+        "logit at its allocated size, optimizer state, the callback's mask-statistics state), per masked weight. "
+        "Gap closed: the share of the prior-to-dense perplexity gap that learning closed.",
+        "",
+        f"Dense: {dense_ppl['wikipedia']:.2f} / {dense_ppl['news']:.2f}; the prior (hard masks): "
+        f"{prior_ppl['wikipedia']:.2f} / {prior_ppl['news']:.2f} (Wikipedia / news).",
+        "",
+        "| setting | logits | grads | optimizer | callback | bytes / masked weight | Wikipedia | news "
+        "| gap closed (wiki / news) | vs fp32 (wiki / news) | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         b = r["bytes_per_weight"]
@@ -187,9 +213,11 @@ def main() -> None:
             if ref is None
             else " / ".join(f"{(r['ppl'][c] / ref['ppl'][c] - 1) * 100:+.1f}%" for c in ("wikipedia", "news"))
         )
+        gap = " / ".join(f"{r['gap_closed'][c]:.1%}" for c in ("wikipedia", "news"))
         lines.append(
-            f"| {r['label']} | {b['params']:.2f} | {b['grads']:.2f} | {b['optimizer']:.2f} | {total:.2f} | "
-            f"{r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | {delta} |"
+            f"| {r['label']} | {b['params']:.2f} | {b['grads']:.2f} | {b['optimizer']:.2f} | "
+            f"{b.get('callbacks', 0.0):.2f} | {total:.2f} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
+            f"{gap} | {delta} | {r['seconds']:.0f} |"
         )
         if any(not math.isfinite(x) for x in r["losses"]):
             lines.append(f"  ({r['key']}: non-finite loss logged)")
@@ -198,7 +226,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {**info, "args": vars(args), "dense": dense_ppl, "prior": prior_ppl, "rows": rows}, indent=2
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

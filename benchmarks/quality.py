@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 from transformers import TrainerCallback
 
 from hf_maskllm import MaskConfig, get_mask_model
@@ -178,12 +179,13 @@ def main() -> None:
         print(method, json.dumps(rows[method]["ppl"]), f"{seconds:.0f}s", flush=True)
 
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
-    import sys
-
+    info = run_info("benchmarks/quality.py")
     lines = [
-        "Command: `HF_HUB_OFFLINE=1 python benchmarks/quality.py " + " ".join(sys.argv[1:]) + "`",
-        f"Date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+        "# Mask quality on SmolLM2-135M: dense, one-shot 2:4 and MaskLLM",
         "",
+        *header_lines(info),
+        "",
+        f"{torch.get_num_threads()} CPU thread(s). "
         f"SmolLM2-135M, 2:4, held-out perplexity ({args.eval_windows} x {args.eval_seqlen} tokens per corpus); "
         f"MaskLLM: {args.steps} steps, {tokens:,} training tokens, lr {args.lr}, tau from {args.tau_start}",
         "",
@@ -194,9 +196,11 @@ def main() -> None:
         lines.append(
             f"| {method} | {row['ppl']['wikipedia']:.2f} | {row['ppl']['news']:.2f} | {row['seconds']:.0f} s |"
         )
+    gap_closed = {}
     if {"dense", "maskllm prior", "maskllm"} <= rows.keys():
         for corpus in ("wikipedia", "news"):
             d, p0, ml = (rows[k]["ppl"][corpus] for k in ("dense", "maskllm prior", "maskllm"))
+            gap_closed[corpus] = (p0 - ml) / (p0 - d)
             lines.append(
                 f"\n{corpus}: MaskLLM closes {(p0 - ml) / (p0 - d):.1%} of the gap between the prior it started "
                 f"from ({p0:.2f}, measured in this run) and dense ({d:.2f})."
@@ -210,7 +214,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     (out / "quality.md").write_text(table + "\n")
-    (out / "quality.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    (out / "quality.json").write_text(
+        json.dumps({**info, "args": vars(args), "rows": rows, "gap_closed": gap_closed}, indent=2) + "\n"
+    )
     if rows.get("maskllm", {}).get("curve"):
         import matplotlib
 
