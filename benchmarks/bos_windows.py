@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
-import transformers
+from run_info import header_lines, run_info
 
 from hf_maskllm.data import load_texts, tokenize_windows
 from hf_maskllm.embedded import load_smollm2
@@ -127,26 +125,21 @@ def main() -> None:
             print(row, flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": "HF_HUB_OFFLINE=1 python benchmarks/bos_windows.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {v}"
-            for k, v in vars(args).items()
-            if k not in ("cache", "out_dir", "priors")
-        )
-        + (" --priors" if args.priors else ""),
-        "date": str(date.today()),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+    setup = {
         "held-out": f"{args.windows} windows x {args.seqlen} tokens of wikipedia:heldout and news:heldout",
+        "threads": torch.get_num_threads(),
     }
-    (out / "bos_windows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    info = run_info("benchmarks/bos_windows.py")
+    (out / "bos_windows.json").write_text(
+        json.dumps({**info, "args": vars(args), **setup, "rows": rows}, indent=2) + "\n"
+    )
     keys = [k for k in rows[0] if k != "model"]
     lines = [
         "# Held-out perplexity with BOS in every window vs only in the first",
         "",
-        *[f"- {k}: {v}" for k, v in meta.items()],
+        *header_lines(info),
+        "",
+        *[f"- {k}: {v}" for k, v in setup.items()],
         "",
         "| model | " + " | ".join(keys) + " |",
         "|---|" + "---:|" * len(keys),

@@ -3,9 +3,10 @@
 Variants: dense bf16, dense with zeros (2:4, plain transformers), compressed 2:4 (hf_maskllm), and
 the mask alone. Each load runs in a fresh subprocess (best of 3 for time) and reads every tensor
 once; "resident memory" is the growth of the process's RSS over load + read, on top of the imported
-libraries (mask only: the bf16 base plus the fp32 logits MaskModel.from_pretrained rebuilds).
+libraries (mask only: the bf16 base plus the logits MaskModel.from_pretrained rebuilds, bf16 by default).
 
-Run: HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py [--out table.md]
+Run: HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py [--out benchmarks/results/checkpoint_sizes.md]
+Writes the table to ``--out`` (.md) and every number in it to the .json beside it.
 The mask is the magnitude prior: sizes do not depend on which 2:4 mask it is.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,10 +21,12 @@ import textwrap
 from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 
 from hf_maskllm import MaskConfig, get_mask_model
 from hf_maskllm.embedded import load_smollm2
 
+REPEATS = 3  # loads per checkpoint, each in a fresh process; the fastest is reported
 LOADER = textwrap.dedent(
     """
     import json, resource, sys, time
@@ -60,7 +62,7 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def load_stats(kind: str, folder: Path, dense: Path, repeats: int = 3) -> dict[str, float]:
+def load_stats(kind: str, folder: Path, dense: Path, repeats: int = REPEATS) -> dict[str, float]:
     runs = []
     for _ in range(repeats):
         out = subprocess.run(
@@ -76,9 +78,14 @@ def load_stats(kind: str, folder: Path, dense: Path, repeats: int = 3) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/checkpoint_sizes.md",
+        help="the markdown table (.md); the .json beside it holds every number",
+    )
     args = parser.parse_args()
     model, tokenizer = load_smollm2(dtype=torch.bfloat16)
+    rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model.save_pretrained(root / "dense")
@@ -87,45 +94,60 @@ def main() -> None:
         mask_model.save_pretrained(root / "zeros", merged=True, dense=True)
         mask_model.save_pretrained(root / "compressed", merged=True)
         del model, mask_model
-        rows = [
+        checkpoints = [
             ("dense bf16", "dense", "dense"),
             ("dense with zeros (2:4, plain transformers)", "dense", "zeros"),
             ("compressed 2:4 (hf_maskllm)", "dense", "compressed"),
             ("mask only (+ loading the dense base)", "mask", "mask"),
         ]
         dense_size = folder_bytes(root / "dense")
-        lines = [
-            "| checkpoint | folder size | vs dense | load time (best of 3) | resident memory after load |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for label, kind, folder in rows:
+        for label, kind, folder in checkpoints:
             size = folder_bytes(root / folder)
             stats = load_stats(kind, root / folder, root / "dense")
-            seconds = f"{stats['seconds']:.2f} s"
-            if kind == "mask":
-                seconds += f" ({stats['seconds'] - stats['base_seconds']:.2f} s for the mask)"
-            lines.append(
-                f"| {label} | {size / 1e6:.1f} MB | {size / dense_size:.1%} | {seconds} | {stats['rss_mb']:.0f} MiB |"
-            )
-    import platform
-    from datetime import date
-
-    import transformers
-
-    header = [
+            rows[folder] = {
+                "label": label,
+                "folder_bytes": size,
+                "vs_dense": size / dense_size,
+                "load_seconds": stats["seconds"],
+                **(
+                    {
+                        "base_load_seconds": stats["base_seconds"],
+                        "mask_load_seconds": stats["seconds"] - stats["base_seconds"],
+                    }
+                    if kind == "mask"
+                    else {}
+                ),
+                "rss_mib": stats["rss_mb"],
+                "tensor_mib": stats["footprint_mb"],
+            }
+    info = run_info("benchmarks/checkpoint_sizes.py")
+    lines = [
         "# Checkpoint sizes and load times: SmolLM2-135M-Instruct, bf16, 2:4 (magnitude mask)",
         "",
-        "Command: `HF_HUB_OFFLINE=1 python benchmarks/checkpoint_sizes.py"
-        + (f" --out {args.out}`" if args.out else "`"),
-        f"Date: {date.today()}; machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}. Load: a fresh process each time, best of 3; memory: its RSS "
-        "after loading (no forward run yet, so no decompressed-weight cache).",
+        *header_lines(info),
         "",
+        f"Load: a fresh process each time, best of {REPEATS}; memory: its RSS after loading (no forward run yet, so "
+        "no decompressed-weight cache).",
+        "",
+        f"| checkpoint | folder size | vs dense | load time (best of {REPEATS}) | resident memory after load |",
+        "|---|---:|---:|---:|---:|",
     ]
-    table = "\n".join(header + lines)
+    for row in rows.values():
+        seconds = f"{row['load_seconds']:.2f} s"
+        if "mask_load_seconds" in row:
+            seconds += f" ({row['mask_load_seconds']:.2f} s for the mask)"
+        lines.append(
+            f"| {row['label']} | {row['folder_bytes'] / 1e6:.1f} MB | {row['vs_dense']:.1%} | {seconds} | "
+            f"{row['rss_mib']:.0f} MiB |"
+        )
+    table = "\n".join(lines)
     print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({**info, "args": vars(args), "repeats": REPEATS, "rows": rows}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

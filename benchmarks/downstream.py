@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import re
 import statistics
 import sysconfig
@@ -49,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from run_info import header_lines, run_info
 
-import hf_maskllm
 from hf_maskllm import MaskConfig, MaskModel, get_mask_model
 from hf_maskllm.adapters.mask_file import MASKS_NAME
 from hf_maskllm.data import calibration_tokens, causal_lm_dataset
@@ -182,9 +181,11 @@ def main() -> None:
         return wiki(m, tokenizer, "wikipedia:heldout", seqlen=args.eval_seqlen, max_windows=args.eval_windows,
                     progress=False)  # fmt: skip
 
-    def checkpoint() -> None:  # partial results, replaced by the full report at the end
+    partial_file = out / f"{args.name}.partial.json"
+
+    def checkpoint() -> None:  # rows so far, should the run stop; removed once <name>.json is written
         partial = {"partial": True, "args": vars(args), "started": started, "rows": rows}
-        (out / f"{args.name}.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
+        partial_file.write_text(json.dumps(partial, indent=2, default=str) + "\n")
 
     rows: dict[str, dict] = {"dense": {"seconds": 0.0}}
     rows["dense"].update({d: _ppl(model, w) for d, w in heldout.items()} | {"wikipedia": wiki_ppl(model)})
@@ -277,6 +278,7 @@ def main() -> None:
     }
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (out / f"{args.name}.md").write_text(_markdown(results) + "\n")
+    partial_file.unlink(missing_ok=True)
     print(_markdown(results))
 
 
@@ -349,9 +351,9 @@ def switching_only(args: argparse.Namespace, out: Path, work: Path, started: str
     lines = [
         "# Switching between masks on one SmolLM2-135M",
         "",
-        f"Command: `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 {results['command']}`  ",
-        f"Started {started}; {results['machine']}; hf_maskllm {results['versions']['hf_maskllm']}, torch "
-        f"{results['versions']['torch']}, Python {results['versions']['python']}.",
+        *header_lines(results),
+        "",
+        f"Started {started}; {results['threads']} thread(s).",
         "",
         "Masks `magnitude` (magnitude prior) and `random` (random logits), bf16 logits, both held as logits "
         "and stored candidate-major (as training leaves them); "
@@ -370,22 +372,13 @@ def switching_only(args: argparse.Namespace, out: Path, work: Path, started: str
 
 
 def _header(args: argparse.Namespace, started: str) -> dict:
+    """run_info's fields (command, date, machine, versions, git commit), the arguments, the start time
+    and the thread count."""
     return {
-        "command": "python benchmarks/downstream.py "
-        + " ".join(
-            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-            for k, v in vars(args).items()
-            if v is not None and v is not False
-        ),
-        "started": started,
-        "machine": f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
-        f"{torch.get_num_threads()} thread(s), {platform.processor() or 'cpu'}",
-        "versions": {
-            "hf_maskllm": hf_maskllm.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        **run_info("benchmarks/downstream.py"),
         "args": vars(args),
+        "started": started,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -417,9 +410,9 @@ def _markdown(r: dict) -> str:
     lines = [
         "# Downstream masks: transfer from a general mask vs learning from scratch",
         "",
-        f"Command: `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 {r['command']}`  ",
-        f"Started {r['started']}; {r['machine']}; hf_maskllm {r['versions']['hf_maskllm']}, torch "
-        f"{r['versions']['torch']}, Python {r['versions']['python']}.",
+        *header_lines(r),
+        "",
+        f"Started {r['started']}; {r['threads']} thread(s).",
         "",
         f"SmolLM2-135M-Instruct, 2:4 over {r['masked_weights']:,} weights. Domain masks: {a['steps']} steps x "
         f"{a['batch_size']} x {a['seqlen']} tokens ({tokens:,} tokens) each, lr {a['lr']}; SparseGPT priors on "

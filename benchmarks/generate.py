@@ -3,6 +3,10 @@
 GPU:  PYTHONPATH=. python benchmarks/generate.py [--models 1b,8b] [--batches 1,8] [--out results/generate.md]
 CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/generate.py --dry-run   (tiny model, no timing claims)
 
+Writes the table to ``--out`` (.md; default ``benchmarks/results/generate.md``, none for a dry run) and
+every number in it to the .json beside it, headed by the command, date, machine, versions (CUDA and
+Triton included) and git commit, and the GPU.
+
 Weights are random (the real checkpoints cannot be carried to the GPU machine); every linear of the
 decoder layers is magnitude-pruned to 2:4, so the dense and sparse models compute the same function.
 Generation uses a static KV cache and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); the
@@ -14,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
+import json
 import time
+from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 from torch import nn
 
 SHAPES = {
@@ -28,6 +34,19 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True),
 }  # fmt: skip
+
+
+def gpu_info(device: str) -> dict:
+    """The GPU and the CUDA and Triton versions on a CUDA device; the Triton version alone elsewhere."""
+    try:
+        import triton
+
+        info = {"triton": triton.__version__}
+    except ImportError:
+        info = {"triton": None}
+    if device == "cuda":
+        info = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda, **info}
+    return info
 
 
 def build_model(name: str, dtype: torch.dtype, device: str) -> nn.Module:
@@ -107,6 +126,14 @@ def to_sparse_(model: nn.Module, use_package: bool = True) -> int:
     return count
 
 
+def cells(row: dict) -> list[str]:
+    """A row's cells in the markdown table."""
+    return [
+        row["model"], str(row["batch"]), str(row["linears_24"]), f"{row['dense_tok_s']:.1f}",
+        f"{row['sparse_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['same_tokens']:.2f}",
+    ]  # fmt: skip
+
+
 @torch.no_grad()
 def time_generate(model, batch: int, prompt_len: int, new_tokens: int, device: str, compile_: bool):
     """(seconds of one timed generate call, generated ids) after one warm-up call."""
@@ -145,7 +172,12 @@ def main() -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny model on CPU (TRITON_INTERPRET=1), eager"
     )
-    parser.add_argument("--out", default=None, help="write the markdown table to this path")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the markdown table (.md), the .json beside it (default: benchmarks/results/generate.md; "
+        "a dry run writes only where --out says)",
+    )
     args = parser.parse_args()
 
     models, batches = args.models.split(","), [int(b) for b in args.batches.split(",")]
@@ -183,11 +215,12 @@ def main() -> None:
             t_dense, ids_dense = dense[batch]
             # random weights give near-tied logits; report agreement of the first tokens, do not assert
             same = (ids_sparse == ids_dense).float().mean().item()
-            rows.append((
-                name, batch, n_pruned, f"{batch * new_tokens / t_dense:.1f}", f"{batch * new_tokens / t_sparse:.1f}",
-                f"{t_dense / t_sparse:.2f}x", f"{same:.2f}",
-            ))  # fmt: skip
-            print(f"{name} 2:4 batch {batch}: " + " | ".join(str(c) for c in rows[-1]), flush=True)
+            rows.append({
+                "model": name, "batch": batch, "linears_24": n_pruned, "dense_seconds": t_dense,
+                "sparse_seconds": t_sparse, "dense_tok_s": batch * new_tokens / t_dense,
+                "sparse_tok_s": batch * new_tokens / t_sparse, "speedup": t_dense / t_sparse, "same_tokens": same,
+            })  # fmt: skip
+            print(f"{name} 2:4 batch {batch}: " + " | ".join(cells(rows[-1])), flush=True)
         del model, dense
         gc.collect()
         torch._dynamo.reset()
@@ -195,23 +228,42 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     header = ("model", "batch", "linears 2:4", "dense tok/s", "2:4 tok/s", "speedup", "same tokens")
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run, eager, no timing claims)"
-    table = (
+    gpu = gpu_info(device)
+    where = gpu["name"] if device == "cuda" else "CPU (dry run, eager, no timing claims)"
+    seconds = time.perf_counter() - t_start
+    info = run_info("benchmarks/generate.py")
+    info["versions"].update({k: v for k, v in gpu.items() if k != "name"})
+    setup = {
+        "device": device, "where": where, "dtype": str(dtype), "prompt_tokens": prompt, "new_tokens": new_tokens,
+        "compiled": compile_, "seconds": seconds,
+    }  # fmt: skip
+    lines = [
+        "# Greedy generation, dense vs 2:4 (Triton nm_linear), Llama-shaped random models",
+        "",
+        *header_lines(info),
+        "",
         f"Greedy generation, {dtype}, prompt {prompt}, {new_tokens} new tokens, static cache"
-        f"{' + torch.compile(reduce-overhead)' if compile_ else ''}, {where} "
-        f"({time.perf_counter() - t_start:.0f} s)\n\n"
-        + "| "
-        + " | ".join(header)
-        + " |\n|"
-        + "---|" * len(header)
-        + "\n"
-        + "".join("| " + " | ".join(str(c) for c in r) + " |\n" for r in rows)
-    )
+        f"{' + torch.compile(reduce-overhead)' if compile_ else ''}, {where} ({seconds:.0f} s)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells(r)) + " |" for r in rows),
+    ]
+    table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table)
+    out = args.out or (None if args.dry_run else "benchmarks/results/generate.md")
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(table)
+        results = {
+            **info,
+            **({"gpu": gpu} if device == "cuda" else {}),
+            "args": vars(args),
+            **setup,
+            "rows": rows,
+        }
+        out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
-from datetime import date
 from pathlib import Path
 
 import torch
-import transformers
+from run_info import header_lines, run_info
 
 from hf_maskllm import MaskConfig, get_mask_model
 from hf_maskllm.data import tokenize_windows
@@ -93,23 +91,23 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
-    meta = {
-        "command": f"HF_HUB_OFFLINE=1 python benchmarks/grad_accumulation.py --micro {args.micro} --seqlen {args.seqlen}",
+    setup = {
         "model": "SmolLM2-135M-Instruct (embedded), 2:4 on all 210 linears, magnitude prior, bf16 logits",
         "data": f"wikipedia:train windows of {args.seqlen} tokens, one per micro-batch",
-        "date": str(date.today()),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
     }
+    info = run_info("benchmarks/grad_accumulation.py")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grad_accumulation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "grad_accumulation.json").write_text(
+        json.dumps({**info, "args": vars(args), **setup, "rows": rows}, indent=2) + "\n"
+    )
     keys = list(rows[0])
     lines = [
         "# bf16 logit-gradient accumulation vs an exact sum",
         "",
-        *[f"- {k}: {v}" for k, v in meta.items()],
+        *header_lines(info),
+        "",
+        *[f"- {k}: {v}" for k, v in setup.items()],
         "",
         "| " + " | ".join(keys) + " |",
         "|" + "---:|" * len(keys),

@@ -1,6 +1,9 @@
 """Static cost of the 2:4 kernels on sm_90a, without a GPU: registers, spills, instructions per group.
 
-CPU:  PYTHONPATH=. python benchmarks/kernel_sass.py [--out results/kernel_sass.md]
+CPU:  PYTHONPATH=. python benchmarks/kernel_sass.py [--out benchmarks/results/kernel_sass.md]
+
+Writes the table to ``--out`` (.md) and every number in it to the .json beside it, headed by the
+command, date, machine, versions (Triton and its ptxas included) and git commit.
 
 Every autotune config of both kernels is compiled for sm_90a with Triton's own toolchain (ptxas,
 cuobjdump ship in the triton wheel), and the main loop's SASS is counted. The figure of merit is
@@ -20,15 +23,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU even where tests set the interpreter
 
 import triton  # noqa: E402
+from run_info import header_lines, run_info  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -74,7 +80,32 @@ def sass_report(ptx: str) -> tuple[str, collections.Counter, list[str]]:
     return info + (f", spills {spills[0]} B" if spills else ""), ops, loop
 
 
-def rows_for(kernel, signature, fixed, configs, tokens_per_program, tag=""):
+def cells(row: dict) -> list[str]:
+    """A row's cells in the markdown table."""
+    return [
+        row["config"], str(row["tokens_per_program"]), row["mma"], row["ptxas"], str(row["loop_sass_per_warp"]),
+        f"{row['thread_instr_per_group']:.1f}", f"{row['issue_per_mma_cycles']:.1f}", str(row["lds_sts_in_loop"]),
+        str(row["local_mem_ops"]), f"{row['worst_variant_spill_bytes']} B",
+    ]  # fmt: skip
+
+
+def toolchain() -> dict:
+    """Triton's version and the ptxas it ships (what compiles here), and the GPU when there is one."""
+    import torch
+
+    ptxas = subprocess.run([os.path.join(BIN, "ptxas"), "--version"], capture_output=True, text=True)
+    release = re.search(r"release [^\n]*", ptxas.stdout)
+    gpu = {}
+    if torch.cuda.is_available():
+        gpu = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    return {
+        "triton": triton.__version__,
+        "ptxas": release.group(0) if release else ptxas.stdout.strip() or None,
+        **gpu,
+    }
+
+
+def rows_for(kernel, signature, fixed, configs, tokens_per_program, tag="", label=""):
     """One row per config; ``tokens_per_program(kwargs)`` is the MMA's token extent (padded)."""
     from hf_maskllm.kernels.expand import INTERPRET
 
@@ -110,10 +141,29 @@ def rows_for(kernel, signature, fixed, configs, tokens_per_program, tag=""):
             worst = max(
                 worst, int((re.findall(r"spills (\d+) B", sass_report(variant.asm["ptx"])[0]) or [0])[0])
             )
-        out.append((name, tokens_per_program(kw), mma, info, len(loop), f"{per_group:.1f}",
-                    f"{issue_clk / mma_clk:.1f}", ops["STS"] + ops["LDS"], ops["LDL"] + ops["STL"],
-                    f"{worst} B"))  # fmt: skip
-        print("  " + " | ".join(str(c) for c in out[-1]), flush=True)
+        out.append(
+            {
+                "config": name,
+                "kernel": label,
+                "x": tag,
+                "kwargs": kw,
+                "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages,
+                "tokens_per_program": tokens_per_program(kw),
+                "mma": mma,
+                "mma_in_loop": {"wgmma": ops["HGMMA"], "mma.sync": ops["HMMA"]},
+                "ptxas": info,
+                "registers": int(m.group(1)) if (m := re.search(r"Used (\d+) registers", info)) else None,
+                "spill_bytes": int(m.group(1)) if (m := re.search(r"spills (\d+) B", info)) else 0,
+                "loop_sass_per_warp": len(loop),
+                "thread_instr_per_group": per_group,
+                "issue_per_mma_cycles": issue_clk / mma_clk,
+                "lds_sts_in_loop": ops["STS"] + ops["LDS"],
+                "local_mem_ops": ops["LDL"] + ops["STL"],
+                "worst_variant_spill_bytes": worst,
+            }
+        )
+        print("  " + " | ".join(cells(out[-1])), flush=True)
     return out
 
 
@@ -121,7 +171,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/kernel_sass.md",
+        help="the markdown table (.md); the .json beside it holds every number",
+    )
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from hf_maskllm.kernels.nm_decode import _decode_configs, nm24_decode_kernel
@@ -154,21 +208,48 @@ def main() -> None:
                 rows += rows_for(
                     kernel, {**base, "x_desc": x_desc, **extra},
                     {**common, **fixed, "WORDS": True, "HAS_DESC": has_desc}, [cfg], rows_of,
-                    tag="TMA x" if use_desc else "pointer x",
+                    tag="TMA x" if use_desc else "pointer x", label=name,
                 )  # fmt: skip
     header = ("config", "tokens / program", "MMA in loop (per warp)", "ptxas", "loop SASS / warp",
               "thread-instr / group", "issue / MMA cycles", "LDS+STS in loop", "local mem ops",
               "worst spill (bias / K-tail variants)")  # fmt: skip
-    table = (
-        f"sm_90a SASS of the K loop, triton {triton.__version__}; issue budget at full HBM bandwidth "
-        f"~{ISSUE_BUDGET:.0f} thread-instructions per group\n\n"
-        + "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
-        + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows) + "\n"
-    )  # fmt: skip
+    info = run_info("benchmarks/kernel_sass.py")
+    tools = toolchain()
+    info["versions"].update({k: v for k, v in tools.items() if k != "gpu"})
+    lines = [
+        "# Static cost of the 2:4 kernels on sm_90a: SASS of the K loop",
+        "",
+        *header_lines(info),
+        "",
+        *(
+            [
+                f"GPU here: {tools['gpu']}, CUDA {tools['cuda']} (not used: the kernels are compiled for sm_90a)",
+                "",
+            ]
+            if "gpu" in tools
+            else []
+        ),
+        f"sm_90a SASS of the K loop, triton {triton.__version__} ({tools['ptxas'] or 'ptxas'}); issue budget at "
+        f"full HBM bandwidth ~{ISSUE_BUDGET:.0f} thread-instructions per group",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells(r)) + " |" for r in rows),
+    ]
+    table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table)
+    results = {
+        **info,
+        **({"gpu": {"name": tools["gpu"], "cuda": tools["cuda"]}} if "gpu" in tools else {}),
+        "args": vars(args),
+        "target": "sm_90a",
+        "issue_budget_thread_instr_per_group": ISSUE_BUDGET,
+        "rows": rows,
+    }
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 GPU:  PYTHONPATH=. python benchmarks/kernels.py [--quick] [--out results/kernels.md]
 CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/kernels.py --dry-run   (tiny shapes, checks only)
 
+Writes the table to ``--out`` (.md; default ``benchmarks/results/kernels.md``, none for a dry run) and
+every number in it to the .json beside it, headed by the command, date, machine, versions (CUDA and
+Triton included) and git commit, and the GPU.
+
 Weights are rotated over more than 240 MB of copies so the 60 MB L2 cannot serve them; every timed
 call sequence is captured in a CUDA graph (launch overhead excluded) and timed with CUDA events;
 the table shows medians. Each shape is first checked against F.linear on the decompressed weight.
@@ -11,13 +15,16 @@ the table shows medians. Each shape is first checked against F.linear on the dec
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from run_info import header_lines, run_info
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (1024, 4096)]
 BATCHES = [1, 2, 4, 8, 16, 2048]
@@ -81,6 +88,39 @@ def time_calls(fns: list, reps: int, use_graph: bool) -> float:
     return statistics.median(times)
 
 
+def _num(x: float) -> float | None:
+    """``None`` for a route that did not run (NaN), which json cannot hold."""
+    return None if math.isnan(x) else x
+
+
+def cells(row: dict) -> list[str]:
+    """A row's cells in the markdown table ("-" where a route did not run)."""
+
+    def f(key: str, fmt: str, unit: str = "") -> str:
+        return "-" if row.get(key) is None else format(row[key], fmt) + unit
+
+    if "dense_us" not in row:  # a dry run: checked, not timed
+        return [str(row["out"]), str(row["in"]), str(row["batch"]), "checked", *["-"] * 8]
+    return [
+        str(row["out"]), str(row["in"]), str(row["batch"]), f("dense_us", ".1f"), f("nm_us", ".1f"),
+        f("nm_speedup", ".2f", "x"), f("nm_gb_s_compressed", ".0f"), f("decode_us", ".1f"), f("dot_us", ".1f"),
+        f("expand_us", ".1f"), f("semi_us", ".1f"), f("semi_speedup", ".2f", "x"),
+    ]  # fmt: skip
+
+
+def gpu_info(device: str) -> dict:
+    """The GPU and the CUDA and Triton versions on a CUDA device; the Triton version alone elsewhere."""
+    try:
+        import triton
+
+        info = {"triton": triton.__version__}
+    except ImportError:
+        info = {"triton": None}
+    if device == "cuda":
+        info = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda, **info}
+    return info
+
+
 def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
     from hf_maskllm.kernels import nm_linear
     from hf_maskllm.kernels.ops import DECODE_MAX_TOKENS, nm_linear_decode, nm_linear_dot, nm_linear_expand
@@ -120,7 +160,7 @@ def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
             if not err < 2e-2:
                 raise SystemExit(f"WRONG: {name} {out_f}x{in_f} batch {batch}: max rel err {err:.3g}")
         if dry_run:
-            rows.append((out_f, in_f, batch, "checked", *["-"] * 8))
+            rows.append({"out": out_f, "in": in_f, "batch": batch, "checked": True})
             continue
         # ---- timings (us per call)
         t_dense = time_calls([lambda w=w, x=x: F.linear(x, w) for w in ws], reps, True)
@@ -139,12 +179,12 @@ def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):
             except Exception as e:
                 print(f"  semi-structured failed at batch {batch}: {type(e).__name__}: {e}")
         moved = sparse_bytes + x.numel() * x.element_size() + batch * out_f * x.element_size()
-        rows.append((
-            out_f, in_f, batch, f"{t_dense:.1f}", f"{t_nm:.1f}", f"{t_dense / t_nm:.2f}x",
-            f"{moved / t_nm / 1e3:.0f}", f"{t_dec:.1f}", f"{t_dot:.1f}", f"{t_exp:.1f}",
-            f"{t_semi:.1f}", f"{t_dense / t_semi:.2f}x",
-        ))  # fmt: skip
-        print("  " + " | ".join(str(c) for c in rows[-1]), flush=True)
+        rows.append({
+            "out": out_f, "in": in_f, "batch": batch, "checked": True, "dense_us": t_dense, "nm_us": t_nm,
+            "nm_speedup": t_dense / t_nm, "nm_gb_s_compressed": moved / t_nm / 1e3, "decode_us": _num(t_dec),
+            "dot_us": t_dot, "expand_us": t_exp, "semi_us": _num(t_semi), "semi_speedup": _num(t_dense / t_semi),
+        })  # fmt: skip
+        print("  " + " | ".join(cells(rows[-1])), flush=True)
 
 
 def main() -> None:
@@ -157,7 +197,12 @@ def main() -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny shapes, correctness only (CPU interpreter)"
     )
-    parser.add_argument("--out", default=None, help="write the markdown table to this path")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the markdown table (.md), the .json beside it (default: benchmarks/results/kernels.md; "
+        "a dry run writes only where --out says)",
+    )
     args = parser.parse_args()
 
     if args.dry_run:
@@ -177,23 +222,47 @@ def main() -> None:
         "out", "in", "batch", "dense us", "2:4 us", "2:4 speedup", "2:4 GB/s (compressed)",
         "decode kernel us", "tl.dot kernel us", "expand+cuBLAS us", "semi-structured us", "semi speedup",
     )  # fmt: skip
-    rows: list[tuple] = []
+    rows: list[dict] = []
     t0 = time.time()
     for out_f, in_f in shapes:
         print(f"{out_f}x{in_f}", flush=True)
         bench_shape(out_f, in_f, batches, dtype, device, reps, args.dry_run, rows)
         if device == "cuda":
             torch.cuda.empty_cache()
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    table = f"2:4 linear, {dtype}, {name}, medians of {reps} graph replays ({time.time() - t0:.0f} s)\n\n"
-    table += "\n".join(lines) + "\n"
+    seconds = time.time() - t0
+    gpu = gpu_info(device)
+    name = gpu["name"] if device == "cuda" else "CPU (Triton interpreter)"
+    info = run_info("benchmarks/kernels.py")
+    info["versions"].update({k: v for k, v in gpu.items() if k != "name"})
+    lines = [
+        "# 2:4 linear kernels vs dense cuBLAS and semi-structured sparsity",
+        "",
+        *header_lines(info),
+        "",
+        f"2:4 linear, {dtype}, {name}, medians of {reps} graph replays ({seconds:.0f} s)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells(r)) + " |" for r in rows),
+    ]
+    table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table)
+    out = args.out or (None if args.dry_run else "benchmarks/results/kernels.md")
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(table)
+        results = {
+            **info,
+            **({"gpu": gpu} if device == "cuda" else {}),
+            "args": vars(args),
+            "device": device,
+            "dtype": str(dtype),
+            "repeats": reps,
+            "seconds": seconds,
+            "rows": rows,
+        }
+        out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Runs the command in a fresh process with the given arguments, then copies its perplexity table,
 wall time, per-stage times and the dense / 2:4 continuations into benchmarks/results/main_job.md
-and .json (``--name`` for other file names), with the machine, its CPU kernel level, thread count,
-date and versions.
+and .json (``--name`` for other file names), headed by the command, date, machine (CPU model, the CPU
+flags its kernels use, the kernel levels, OMP_NUM_THREADS of the run), versions and git commit.
 
 Run: HF_HUB_OFFLINE=1 python benchmarks/main_job.py [--threads 1] [--name main_job] [-- extra learn arguments]
 """
@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-import torch
-import transformers
+from run_info import header_lines, run_info
 
 
 def main() -> None:
@@ -42,9 +39,9 @@ def main() -> None:
     if args.render:
         write(Path(args.out_dir), json.loads(Path(args.render).read_text()), args.name)
         return
+    if args.threads:  # here too, so that the header's environment is the run's
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "hf_maskllm", "learn", "--output", tmp, *args.learn_args]
         start, cpu_start = time.perf_counter(), os.times()
@@ -56,23 +53,15 @@ def main() -> None:
         cpu_start.children_user + cpu_start.children_system
     )
     meta = {
-        "command": "HF_HUB_OFFLINE=1 python benchmarks/main_job.py"
-        + (f" --threads {args.threads}" if args.threads else "")
-        + (f" --name {args.name}" if args.name != "main_job" else "")
-        + (" -- " + " ".join(args.learn_args) if args.learn_args else ""),
         "runs": "python -m hf_maskllm learn " + " ".join(args.learn_args),
-        "date": str(date.today()),
-        "machine": f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
-        f"{os.cpu_count()} cores, OMP_NUM_THREADS={args.threads or 'unset'}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "omp_num_threads": env.get("OMP_NUM_THREADS", "unset"),
         "wall_seconds": round(wall, 1),
         "cpu_seconds": round(cpu, 1),
         "load_average_at_end": round(os.getloadavg()[0], 1),
         "mask_folder_bytes": mask_bytes,
     }
-    write(Path(args.out_dir), {"meta": meta, "results": results}, args.name)
+    info = run_info("benchmarks/main_job.py")
+    write(Path(args.out_dir), {**info, "args": vars(args), "meta": meta, "results": results}, args.name)
 
 
 def write(out: Path, data: dict, name: str = "main_job") -> None:
@@ -86,10 +75,15 @@ def write(out: Path, data: dict, name: str = "main_job") -> None:
         c: (ppl[prior][c] - ppl[learned][c]) / (ppl[prior][c] - ppl[dense][c]) for c in ("wikipedia", "news")
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({**data, "gap_closed": closed}, indent=1, default=str))
+    (out / f"{name}.json").write_text(
+        json.dumps({**data, "gap_closed": closed}, indent=1, default=str) + "\n"
+    )
+    # a results file written before run_info: its command, date, machine and versions are in meta
+    header = [*header_lines(data), ""] if "git_commit" in data else []
     lines = [
         "# The main job, end to end",
         "",
+        *header,
         *[f"- {k}: {v}" for k, v in meta.items()],
         "",
         "| method | Wikipedia PPL | news PPL | seconds |",

@@ -37,7 +37,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from run_info import header_lines, run_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # the training rows, in the table's order
@@ -210,9 +210,7 @@ def main() -> None:
         p.error(f"--rows: unknown rows {sorted(train_rows - set(TRAIN_ROWS))}")
 
     import peft
-    import transformers
 
-    import hf_maskllm
     from hf_maskllm import MaskConfig, MaskModel, get_mask_model
     from hf_maskllm.data import calibration_tokens, causal_lm_dataset
     from hf_maskllm.embedded import load_smollm2
@@ -356,33 +354,28 @@ def main() -> None:
         }
         for corpus in ("wikipedia", "news")
     }  # fmt: skip
+    info = run_info("benchmarks/recovery.py")
+    info["versions"]["peft"] = peft.__version__
     meta = {
-        "command": "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/recovery.py "
-        + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s) per process, "
-        f"{at_once} training row(s) at once, {os.cpu_count()}-core CPU machine "
-        f"({torch.backends.cpu.get_cpu_capability()} kernels)",
-        "versions": {
-            "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-            "hf_maskllm": hf_maskllm.__version__,
-        },
+        "threads_per_process": torch.get_num_threads(),
+        "training_rows_at_once": at_once,
         "mask": mask_name,
         "masked_weights": masked_weights,
-        "args": vars(args),
         "seconds": round(time.perf_counter() - started, 1),
         "cpu_seconds": round(sum(os.times()[:4]) - cpu_started, 1),
         "gap_closed_percent": gap,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    Path(args.out + ".json").write_text(
+        json.dumps({**info, "args": vars(args), **meta, "rows": rows}, indent=2) + "\n"
+    )
     best = max((name for name in rows if name != "dense"), key=lambda name: gap["wikipedia"][name])
     lines = [
         "# Recovery after 2:4 pruning, keeping the mask (SmolLM2-135M-Instruct, fp32 weights, CPU)",
         "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}; {meta['machine']}; "
-        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        *header_lines(info),
+        "",
+        f"{torch.get_num_threads()} thread(s) per process, {at_once} training row(s) at once.",
         "",
         f"Mask: {mask_name}, every decoder linear ({len(names)} layers, {masked_weights:,} weights). "
         f"Held-out perplexity, {args.eval_windows} x {args.eval_seqlen} tokens per corpus. Training rows: "

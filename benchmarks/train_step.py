@@ -15,7 +15,8 @@ run), each interleaved with the dense step in the same process (``--repeats`` ro
 Then a real ``learn_mask`` run of ``--run-steps`` steps on the embedded Wikipedia text (from the
 same prior; its schedule annealed from start to end over those steps) gives the mean and last steps
 of an actual run, with dense steps timed in the same process before and after it. Each masked mode runs in its
-own process. Results: ``--out`` .md and .json (command, machine, date, versions).
+own process. Results: ``--out`` .md and .json, headed by the command, date, machine (CPU model and
+the CPU flags its kernels use; the GPU with ``--device cuda``), versions and git commit.
 
 Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256 --repeats 3 --threads 2 --bf16]
 GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda`` (Llama-3.2-1B shape,
@@ -25,12 +26,7 @@ random weights: the step's cost does not depend on the weights' values; no real 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -38,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from run_info import header_lines, rss_peak_bytes, run_info
 
 MODES = {
     "dense": "dense, frozen (backward to the inputs)",
@@ -190,7 +187,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
             del optimizer
             print(json.dumps(result), flush=True)  # the schedule points, should the run fail
             result["run"] = real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step)
-    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["peak_rss_gib"] = rss_peak_bytes() / 2**30
     if torch.device(device).type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
@@ -219,17 +216,17 @@ def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step
     return {"steps": timer.steps, "dense": dense_before + dense_after}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def gpu_info(device: str) -> dict:
+    """The GPU and its CUDA and Triton versions, where ``device`` is a CUDA device (else empty)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{gpu}"
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda, "triton": triton_version}
 
 
 def main() -> None:
@@ -304,20 +301,21 @@ def child_args(args, shape: str) -> list[str]:
 
 
 def write_results(args, results: list[dict]) -> None:
-    import transformers
-
     title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
         args.model
     ]
     where = args.device if args.device != "cpu" else f"{results[0]['threads']} CPU threads"
-    command = "HF_HUB_OFFLINE=1 python " + " ".join(shlex.quote(a) for a in sys.argv)
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}"
+    info = run_info("benchmarks/train_step.py")
+    gpu = gpu_info(args.device)
+    if gpu:
+        info["versions"].update(cuda=gpu["cuda"], triton=gpu["triton"])
+    compute = "bf16 autocast" if args.bf16 else "float32 compute"
     lines = [
         f"# Masked training step vs frozen dense step over the schedule: {title}",
         "",
-        f"Command: `{command}`",
-        f"Machine: {machine()}; {where}; {'bf16 autocast' if args.bf16 else 'float32 compute'}. Date: {now}. {versions}.",
+        *header_lines(info),
+        "",
+        (f"GPU: {gpu['name']}; " if gpu else "") + f"{where}; {compute}.",
         "",
         "Schedule points: the masked step at each tau with the kappa that the default linear schedules pair "
         "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the default strength "
@@ -370,7 +368,7 @@ def write_results(args, results: list[dict]) -> None:
               "from such a run are less certain."]  # fmt: skip
     lines += ["", "Peak RSS per process: " + ", ".join(
         f"{r['shape']} {r['mode']} {r['peak_rss_gib']:.2f} GiB" for r in results
-    ) + "; training state: " + ", ".join(
+    ) + "; logits, their gradients and the optimizer state (no callback in these timed steps): " + ", ".join(
         f"{r['state_bytes_per_weight']:.2f} B / masked weight" for r in results if r.get("state_bytes_per_weight")
     ) + "."]  # fmt: skip
     text = "\n".join(lines) + "\n"
@@ -378,9 +376,13 @@ def write_results(args, results: list[dict]) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    meta = {"command": command, "machine": machine(), "date": now, "versions": versions, "where": where}
+    extra = {"gpu": gpu} if gpu else {}
     out.with_suffix(".json").write_text(
-        json.dumps({**meta, "bf16": args.bf16, "results": results}, indent=1) + "\n"
+        json.dumps(
+            {**info, **extra, "args": vars(args), "where": where, "bf16": args.bf16, "results": results},
+            indent=1,
+        )
+        + "\n"
     )
 
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
-from datetime import date
 from pathlib import Path
 
-import torch
-import transformers
+from run_info import header_lines, run_info
 
 from hf_maskllm import MaskConfig, get_mask_model
 from hf_maskllm.data import causal_lm_dataset
@@ -40,24 +37,33 @@ def main() -> None:
     sizes = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     per_weight = {k: v / masked for k, v in sizes.items()}
-    meta = {
-        "command": f"HF_HUB_OFFLINE=1 python benchmarks/training_state.py --steps {args.steps} --seqlen {args.seqlen}",
+    setup = {
         "model": f"SmolLM2-135M-Instruct (embedded), 2:4 on all 210 linears: {masked:,} masked weights",
         "settings": "defaults: bf16 logits, MaskAdamW (8-bit second moment per logit), MaskAnnealCallback with statistics",
-        "date": str(date.today()),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
     }
+    info = run_info("benchmarks/training_state.py")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_state.json").write_text(
-        json.dumps({"meta": meta, "bytes": sizes, "per_masked_weight": per_weight}, indent=1)
+        json.dumps(
+            {
+                **info,
+                "args": vars(args),
+                **setup,
+                "masked_weights": masked,
+                "bytes": sizes,
+                "per_masked_weight": per_weight,
+            },
+            indent=2,
+        )
+        + "\n"
     )
     lines = [
         "# Training state held across steps, per masked weight",
         "",
-        *[f"- {k}: {v}" for k, v in meta.items()],
+        *header_lines(info),
+        "",
+        *[f"- {k}: {v}" for k, v in setup.items()],
         "",
         "| " + " | ".join(per_weight) + " |",
         "|" + "---:|" * len(per_weight),

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -16,54 +15,54 @@ pytest.importorskip("ipykernel", reason="the notebook test needs the `test` extr
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
-KERNEL = "hf-maskllm-test"
 TEST_BUDGET = "CALIB_SAMPLES, STEPS, EVAL_WINDOWS = 4, 2, 2"
 
 
-def _kernelspec(folder: Path) -> None:
-    """A kernelspec that starts ipykernel with this very interpreter (not whatever `python3` is on PATH)."""
-    spec = folder / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (spec / "kernel.json").write_text(
-        json.dumps({"argv": argv, "display_name": KERNEL, "language": "python"})
+def _executor():
+    """``examples/execute_notebook.py``: the one way the notebook is run (to store its outputs, and here)."""
+    spec = importlib.util.spec_from_file_location(
+        "execute_notebook", ROOT / "examples" / "execute_notebook.py"
     )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_notebook_is_valid_and_stored_without_outputs():
+def _stream_text(nb) -> str:
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    return "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+
+
+def test_notebook_is_stored_with_the_outputs_of_a_full_run():
+    """The page a reader opens shows a whole run at the notebook's own budget: every code cell ran, in
+    order, without an error, and the training curve is an image."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
     assert nb.nbformat == 4
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert code, "the notebook has no code cells"
-    assert all(not cell.outputs and cell.execution_count is None for cell in code), (
-        "store examples/quickstart.ipynb without outputs (Kernel > Restart & Clear Output)"
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), (
+        "store examples/quickstart.ipynb as `python examples/execute_notebook.py` writes it (a run from the top)"
     )
+    outputs = [out for cell in code for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    budget = next(cell.source for cell in code if "STEPS, BATCH, SEQLEN = " in cell.source)
+    steps = int(budget.split("STEPS, BATCH, SEQLEN = ")[1].split(",")[0])
+    assert f"learned mask after {steps} steps" in _stream_text(nb)  # the stored run used the stored budget
+    assert any("image/png" in out.get("data", {}) for out in outputs), "the training curve is not stored"
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes(tmp_path, monkeypatch):
-    _kernelspec(tmp_path / "jupyter")
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    # the kernel inherits this environment: offline, and this checkout's hf_maskllm first on the path
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    workdir = tmp_path / "run"
-    workdir.mkdir()
+def test_quickstart_notebook_executes(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    # Every cell runs as written, on a smaller budget: the budget cell's values are overridden right after it
-    # (as papermill injects parameters), since each learning step costs seconds on a CPU.
-    budget = [i for i, cell in enumerate(nb.cells) if "STEPS, BATCH, SEQLEN = " in cell.source]
-    assert len(budget) == 1, "the notebook has no single cell that sets STEPS, BATCH, SEQLEN"
-    nb.cells.insert(budget[0] + 1, nbformat.v4.new_code_cell(TEST_BUDGET))
+    for cell in nb.cells:  # run from a clean slate: nothing stored counts
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     nb.cells.insert(0, nbformat.v4.new_code_cell("import sys\nprint(sys.executable)"))
-
     start = time.perf_counter()
-    client = nbclient.NotebookClient(
-        nb, kernel_name=KERNEL, timeout=900, resources={"metadata": {"path": str(workdir)}}
-    )
     try:
-        client.execute()  # raises CellExecutionError (with the cell and its traceback) on any error
+        # every cell runs as written, on a smaller budget (each learning step costs seconds on a CPU)
+        _executor().execute(nb, tmp_path, budget=TEST_BUDGET)
     finally:
         nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # the outputs, for a look after a failure
     seconds = time.perf_counter() - start
@@ -72,10 +71,11 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert nb.cells[0].outputs[0]["text"].strip() == sys.executable  # the kernel ran this interpreter
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
-    text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+    text = _stream_text(nb)
     assert "learned mask after 2 steps" in text  # the test's budget took effect
     for line in ("| dense ", "| Wanda prior ", "| MaskLLM (learned) ", "2:4 check:", "reloaded sparse model"):
         assert line in text, f"the notebook printed no {line!r}"
     assert any("image/png" in out.get("data", {}) for out in outputs), "the training curve was not plotted"
+    workdir = tmp_path / "run"
     assert (workdir / "outputs" / "quickstart" / "mask" / "mask_config.json").is_file()
     assert (workdir / "outputs" / "quickstart" / "sparse-model" / "config.json").is_file()
