@@ -300,7 +300,31 @@ def child_args(args, shape: str) -> list[str]:
     return out + (["--bf16"] if args.bf16 else [])
 
 
+def summarize(r: dict) -> dict:
+    """The ratios a results table shows, for one process's result (also stored in the json)."""
+    dense = statistics.median(r["dense"])
+    out = {
+        "dense_median_s": dense,
+        "dense_range_s": [min(r["dense"]), max(r["dense"])],
+        "dense_spread": max(r["dense"]) / min(r["dense"]) - 1,
+        "vs_dense": {f"{p['tau']:g}": statistics.median(p["seconds"]) / dense for p in r.get("points", [])},
+        "median_s": {f"{p['tau']:g}": statistics.median(p["seconds"]) for p in r.get("points", [])},
+    }
+    if "run" in r:
+        steps, run_dense = r["run"]["steps"], statistics.median(r["run"]["dense"])
+        warm = [s["seconds"] for s in steps[2:]] or [s["seconds"] for s in steps]
+        out["run"] = {
+            "dense_median_s": run_dense,
+            "mean_s": statistics.mean(warm),
+            "vs_dense": statistics.mean(warm) / run_dense,
+            "last3_vs_dense": statistics.mean(s["seconds"] for s in steps[-3:]) / run_dense,
+        }
+    return out
+
+
 def write_results(args, results: list[dict]) -> None:
+    for r in results:
+        r["summary"] = summarize(r)
     title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
         args.model
     ]

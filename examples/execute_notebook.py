@@ -72,6 +72,29 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, budget: str | None = None)
     return nb
 
 
+def coalesce_streams(nb: nbformat.NotebookNode) -> None:
+    """Merge each cell's consecutive stream outputs and keep what a terminal shows of progress bars
+    (the text after a line's last carriage return), as a notebook front-end displays them."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        merged: list = []
+        for out in cell.outputs:
+            if (
+                out.output_type == "stream"
+                and merged
+                and merged[-1].output_type == "stream"
+                and (merged[-1].name == out.name)
+            ):
+                merged[-1].text += out.text
+            else:
+                merged.append(out)
+        for out in merged:
+            if out.output_type == "stream":
+                out.text = "\n".join(line.rsplit("\r", 1)[-1] for line in out.text.split("\n"))
+        cell.outputs = merged
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=NOTEBOOK, help="where to write the executed notebook")
@@ -82,6 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
         print(f"executing {NOTEBOOK.name} in {tmp} (several minutes on a CPU) ...", flush=True)
         execute(nb, Path(tmp))
+    coalesce_streams(nb)
     nb.metadata = nbformat.from_dict(
         metadata
     )  # the kernel's name on this machine is not part of the notebook
