@@ -197,3 +197,14 @@ def test_two_values_for_one_key_fail():
     assert not check_one_value(quotes)
     quotes.append(("quality.json", "rows.maskllm.ppl.wikipedia", "", "35.38", "docs/scale.md:3"))
     assert check_one_value(quotes)
+
+
+def test_a_wrong_number_planted_in_the_real_docs_fails():
+    """The fixed docs pass; the same docs with one quoted number changed do not."""
+    texts = _doc_texts()
+    readme = texts["README.md"]
+    marker = "<!-- quality.json: rows.maskllm.ppl.wikipedia -->"
+    assert f"35.01 {marker}" in readme
+    assert not check_numbers(readme, "README.md")[0]
+    errors, _ = check_numbers(readme.replace(f"35.01 {marker}", f"35.38 {marker}"), "README.md")
+    assert errors and "35.38" in errors[0]
