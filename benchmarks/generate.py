@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from run_info import header_lines, run_info
+from run_info import gpu_info, header_lines, run_info
 from torch import nn
 
 SHAPES = {
@@ -34,19 +34,6 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True),
 }  # fmt: skip
-
-
-def gpu_info(device: str) -> dict:
-    """The GPU and the CUDA and Triton versions on a CUDA device; the Triton version alone elsewhere."""
-    try:
-        import triton
-
-        info = {"triton": triton.__version__}
-    except ImportError:
-        info = {"triton": None}
-    if device == "cuda":
-        info = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda, **info}
-    return info
 
 
 def build_model(name: str, dtype: torch.dtype, device: str) -> nn.Module:

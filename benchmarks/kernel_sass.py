@@ -34,7 +34,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU even where tests set the interpreter
 
 import triton  # noqa: E402
-from run_info import header_lines, run_info  # noqa: E402
+from run_info import gpu_info, header_lines, run_info  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -95,9 +95,7 @@ def toolchain() -> dict:
 
     ptxas = subprocess.run([os.path.join(BIN, "ptxas"), "--version"], capture_output=True, text=True)
     release = re.search(r"release [^\n]*", ptxas.stdout)
-    gpu = {}
-    if torch.cuda.is_available():
-        gpu = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    gpu = {"gpu": gpu_info("cuda")} if torch.cuda.is_available() else {}
     return {
         "triton": triton.__version__,
         "ptxas": release.group(0) if release else ptxas.stdout.strip() or None,
@@ -223,7 +221,7 @@ def main() -> None:
         "",
         *(
             [
-                f"GPU here: {tools['gpu']}, CUDA {tools['cuda']} (not used: the kernels are compiled for sm_90a)",
+                f"GPU here: {tools['gpu']['name']}, CUDA {tools['gpu']['cuda']} (not used: the kernels are compiled for sm_90a)",
                 "",
             ]
             if "gpu" in tools
@@ -243,7 +241,7 @@ def main() -> None:
     out.with_suffix(".md").write_text(table)
     results = {
         **info,
-        **({"gpu": {"name": tools["gpu"], "cuda": tools["cuda"]}} if "gpu" in tools else {}),
+        **({"gpu": tools["gpu"]} if "gpu" in tools else {}),
         "args": vars(args),
         "target": "sm_90a",
         "issue_budget_thread_instr_per_group": ISSUE_BUDGET,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from run_info import header_lines, run_info
+from run_info import gpu_info, header_lines, run_info
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (1024, 4096)]
 BATCHES = [1, 2, 4, 8, 16, 2048]
@@ -106,19 +106,6 @@ def cells(row: dict) -> list[str]:
         f("nm_speedup", ".2f", "x"), f("nm_gb_s_compressed", ".0f"), f("decode_us", ".1f"), f("dot_us", ".1f"),
         f("expand_us", ".1f"), f("semi_us", ".1f"), f("semi_speedup", ".2f", "x"),
     ]  # fmt: skip
-
-
-def gpu_info(device: str) -> dict:
-    """The GPU and the CUDA and Triton versions on a CUDA device; the Triton version alone elsewhere."""
-    try:
-        import triton
-
-        info = {"triton": triton.__version__}
-    except ImportError:
-        info = {"triton": None}
-    if device == "cuda":
-        info = {"name": torch.cuda.get_device_name(), "cuda": torch.version.cuda, **info}
-    return info
 
 
 def bench_shape(out_f, in_f, batches, dtype, device, reps, dry_run, rows):

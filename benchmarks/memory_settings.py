@@ -2,8 +2,9 @@
 
 Every setting starts from the same SparseGPT 2:4 prior of SmolLM2-135M-Instruct and learns for the
 same budget (steps x batch x seqlen tokens of Wikipedia train); only the logits' dtype and the
-optimizer differ. Bytes are summed over tensors after the first optimizer step: the logits, one
-gradient per logit (in the logits' dtype) and every optimizer state tensor; per masked weight.
+optimizer differ. Bytes are summed over tensors after the run (``training_state_bytes``): the logits,
+one gradient per logit (in the logits' dtype), every optimizer state tensor and the callback's state;
+per masked weight.
 Perplexity: held-out Wikipedia and news (``hf_maskllm.perplexity``), hard masks, of the prior and of
 every setting, all in one run.
 
@@ -80,15 +81,10 @@ SETTINGS = {
 }
 
 
-class StateProbe(TrainerCallback):
-    """Training-state bytes after the first optimizer step; fails the run on a non-finite loss or logit."""
+class FiniteLogits(TrainerCallback):
+    """Fails the run on a non-finite logit after any optimizer step."""
 
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] | None = None
-
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.bytes is None:
-            self.bytes = training_state_bytes(model, optimizer)
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         for p in model.parameters():
             if p.requires_grad and not torch.isfinite(p).all():
                 raise RuntimeError(f"non-finite logits at step {state.global_step}")
@@ -147,7 +143,6 @@ def main() -> None:
         model, tokenizer = load_smollm2()
         mask_model = get_mask_model(model, MaskConfig(prior=str(prior_dir), logits_dtype=dtype))
         masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
-        probe = StateProbe()
         start = time.perf_counter()
         trainer = learn_mask(
             mask_model,
@@ -157,17 +152,17 @@ def main() -> None:
             batch_size=args.batch_size,
             logging_steps=max(1, args.steps // 10),
             disable_tqdm=True,
-            callbacks=[probe],
+            callbacks=[FiniteLogits()],
             optimizer_cls_and_kwargs=(optimizer_cls, {"lr": args.lr, "betas": BETAS, **extra}),
             seed=args.seed,
         )
         seconds = time.perf_counter() - start
         # What the run holds across steps, callback state included (gradients counted at their size).
-        probe.bytes = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
+        held = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         ppl = heldout(mask_model.eval())
         gap = {c: (prior_ppl[c] - ppl[c]) / (prior_ppl[c] - dense_ppl[c]) for c in ppl}
-        per_weight = {k: v / masked for k, v in probe.bytes.items()}
+        per_weight = {k: v / masked for k, v in held.items()}
         rows.append(
             {
                 "key": key,

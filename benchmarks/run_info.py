@@ -89,6 +89,19 @@ def run_info(script: str) -> dict:
     }
 
 
+def gpu_info(device: str) -> dict:
+    """The Triton version, and on a CUDA device the GPU's name and the CUDA version."""
+    try:
+        import triton
+
+        info = {"triton": triton.__version__}
+    except ImportError:
+        info = {"triton": None}
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        info = {"name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda, **info}
+    return info
+
+
 def header_lines(info: dict) -> list[str]:
     """Markdown lines for a results file's header."""
     machine = info["machine"]

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from run_info import header_lines, rss_peak_bytes, run_info
+from run_info import gpu_info, header_lines, rss_peak_bytes, run_info
 
 MODES = {
     "dense": "dense, frozen (backward to the inputs)",
@@ -216,19 +216,6 @@ def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step
     return {"steps": timer.steps, "dense": dense_before + dense_after}
 
 
-def gpu_info(device: str) -> dict:
-    """The GPU and its CUDA and Triton versions, where ``device`` is a CUDA device (else empty)."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return {}
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda, "triton": triton_version}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -330,7 +317,7 @@ def write_results(args, results: list[dict]) -> None:
     ]
     where = args.device if args.device != "cpu" else f"{results[0]['threads']} CPU threads"
     info = run_info("benchmarks/train_step.py")
-    gpu = gpu_info(args.device)
+    gpu = gpu_info(args.device) if torch.device(args.device).type == "cuda" else {}
     if gpu:
         info["versions"].update(cuda=gpu["cuda"], triton=gpu["triton"])
     compute = "bf16 autocast" if args.bf16 else "float32 compute"
