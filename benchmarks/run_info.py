@@ -42,17 +42,23 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     return model, flags
 
 
+CODE_PATHS = ("hf_maskllm", "benchmarks/*.py", "examples/*.py", "pyproject.toml")
+
+
 def git_commit() -> str:
+    """``HEAD``'s commit, followed by the code files (package, benchmark scripts) that differ from it,
+    untracked ones included: results and docs edited during a run do not change what ran."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", *CODE_PATHS], cwd=ROOT, capture_output=True, text=True
+        ).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return commit + (" (with uncommitted changes)" if dirty else "")
+    changed = sorted(line[3:] for line in status if line[3:].endswith((".py", ".toml", ".cpp")))
+    return commit + (f" (uncommitted changes to {', '.join(changed)})" if changed else "")
 
 
 def run_info(script: str) -> dict:

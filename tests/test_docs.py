@@ -12,6 +12,9 @@ comment that does not show when the page is rendered::
   spaces (``rows.+ LoRA (r=16, lr 0.001).ppl.news``): at each level the longest matching key wins;
 - an optional ``*N`` or ``/N`` scales the stored value before the comparison (fractions shown as
   percentages, bytes shown in MiB);
+- a number derived from several values is an expression over keys in braces, with numbers,
+  ``+ - * /`` and parentheses: ``2.8 <!-- downstream.json: {rows.python-scratch.python} -
+  {rows.python-transfer.python} -->``;
 - the quoted number is the last number before the marker on its line, with at most a unit between
   them (``%``, ``x``, ``MiB``, ``ms``, ``tok/s``, ...) and markdown emphasis; thousands separators are
   allowed. It must equal the stored value rounded to the number of decimals shown.
@@ -21,7 +24,9 @@ The check also fails when one key is quoted with two different numbers anywhere 
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 from decimal import Decimal
 from functools import cache
@@ -81,6 +86,36 @@ def resolve(data, path: str):
     raise KeyError(path)
 
 
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate(data, key: str) -> float:
+    """The number at ``key``, or the value of an expression over ``{key}`` placeholders."""
+    if "{" not in key:
+        value = resolve(data, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{key!r} holds {value!r}, not a number")
+        return value
+    keys: list[str] = []
+
+    def name(match: re.Match) -> str:
+        keys.append(match.group(1))
+        return f"_k{len(keys) - 1}"
+
+    def value_of(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.Name) and node.id.startswith("_k"):
+            return evaluate(data, keys[int(node.id[2:])])
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value_of(node.left), value_of(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value_of(node.operand)
+        raise ValueError(f"{ast.unparse(node)!r} is not a number, a {{key}}, + - * / or parentheses")
+
+    return value_of(ast.parse(re.sub(r"\{([^{}]+)\}", name, key), mode="eval").body)
+
+
 def check_numbers(text: str, where: str = "<text>", load=_load) -> tuple[list[str], list[tuple]]:
     """Errors for every marker in ``text`` whose file, key or number is wrong, and the quotes found:
     ``(file, key, scale, shown number, where)``."""
@@ -95,15 +130,15 @@ def check_numbers(text: str, where: str = "<text>", load=_load) -> tuple[list[st
                 continue
             shown = found.group(1).replace(",", "")
             try:
-                value = resolve(load(name), key)
+                value = evaluate(load(name), key)
             except FileNotFoundError:
                 errors.append(f"{at}: benchmarks/results/{name} does not exist")
                 continue
-            except (KeyError, IndexError, ValueError, TypeError):
+            except (KeyError, IndexError):
                 errors.append(f"{at}: no key {key!r} in {name}")
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                errors.append(f"{at}: {key!r} holds {value!r}, not a number")
+            except (ValueError, TypeError, SyntaxError, ZeroDivisionError) as e:
+                errors.append(f"{at}: {e}")
                 continue
             scale = op + factor if op else ""
             if op == "*":
@@ -171,10 +206,11 @@ def test_a_wrong_number_fails():
     good = (
         "| 35.01 <!-- t.json: rows.a.b (x).ppl --> | **35.0** <!-- t.json: rows.a.b (x).ppl --> "
         "closes 56.3% <!-- t.json: frac *100 -->, 326.3 MiB <!-- t.json: bytes /1048576 --> and "
-        "342,163,456 bytes <!-- t.json: bytes -->"
+        "342,163,456 bytes <!-- t.json: bytes -->, gap 29.5 <!-- t.json: {rows.a.b (x).ppl} - 5.5 -->, "
+        "ratio 61.4% <!-- t.json: 100 * {rows.a.b (x).ppl} / ({bytes} / 6000000) -->"
     )
     errors, quotes = check_numbers(good, load=results.__getitem__)
-    assert not errors and len(quotes) == 5, errors
+    assert not errors and len(quotes) == 7, errors
     for planted in (
         "35.38 <!-- t.json: rows.a.b (x).ppl -->",  # a wrong value
         "35.1 <!-- t.json: rows.a.b (x).ppl -->",  # a wrong rounding
@@ -182,6 +218,10 @@ def test_a_wrong_number_fails():
         "35.01 <!-- t.json: rows.missing -->",  # a key the file does not hold
         "35.01 <!-- u.json: frac -->",  # a file that does not exist
         "the prior <!-- t.json: frac -->",  # no number
+        "29.6 <!-- t.json: {rows.a.b (x).ppl} - 5.5 -->",  # a wrong derived value
+        "29.5 <!-- t.json: {rows.a.b (x).ppl} - {rows.nothing} -->",  # a key the file does not hold
+        "29.5 <!-- t.json: __import__('os') -->",  # not an expression over keys
+        "29.5 <!-- t.json: {frac} / ({frac} - {frac}) -->",  # division by zero
     ):
         errors, _ = check_numbers(
             planted, load=lambda name: results[name] if name in results else _load(name)
