@@ -1,10 +1,11 @@
-"""Command line: ``hf-maskllm learn`` (also ``python -m hf_maskllm``).
+"""Command line: ``hf-maskllm learn`` and ``hf-maskllm zero-shot`` (also ``python -m hf_maskllm``).
 
 The main job: load a model (default: the embedded real SmolLM2-135M), measure dense perplexity,
 build a one-shot prior mask, learn the 2:4 mask with a short Trainer run, print a perplexity
 table (dense / prior / learned on held-out Wikipedia and news), save the mask and the merged
 compressed model, reload that model and print its continuations of a few prompts beside the dense
-model's.
+model's. ``zero-shot`` runs lm-evaluation-harness tasks on a model, a masked model or a compressed
+checkpoint (``hf_maskllm.zero_shot``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument(
         "--save-logits", action="store_true", help="also save the fp32 logits (to resume / transfer)"
     )
+    zero_shot = sub.add_parser(
+        "zero-shot", help="zero-shot accuracy with lm-evaluation-harness (pip install 'hf_maskllm[eval]')"
+    )
+    zero_shot.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded), or a folder / Hub id: a dense model or a compressed N:M checkpoint",
+    )
+    zero_shot.add_argument(
+        "--mask", default=None, help="a saved mask (folder, repo id or mask_compressed.npz)"
+    )
+    zero_shot.add_argument(
+        "--tasks",
+        default="hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa,race",
+        help="comma-separated lm-eval tasks (default: the MaskLLM paper's)",
+    )
+    zero_shot.add_argument("--limit", type=float, default=None, help="documents per task (below 1: a share)")
+    zero_shot.add_argument("--batch-size", type=int, default=1)
+    zero_shot.add_argument("--include-path", default=None, help="a folder of your own lm-eval task files")
+    zero_shot.add_argument("--output", default=None, help="write the results as JSON to this file")
     return p
 
 
@@ -225,6 +246,30 @@ def learn(args: argparse.Namespace) -> dict:
     return results
 
 
+def zero_shot(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """``hf-maskllm zero-shot``: lm-eval tasks on the model (with ``--mask`` applied); prints a table."""
+    from .adapters import MaskModel
+    from .serialization import save_json
+    from .zero_shot import evaluate_zero_shot
+
+    model, tokenizer = _load(args.model)
+    if args.mask is not None:
+        model = MaskModel.from_pretrained(model, args.mask)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    results = evaluate_zero_shot(
+        model, tokenizer, tasks, batch_size=args.batch_size, limit=limit, include_path=args.include_path
+    )
+    print(f"\n{args.model}" + (f" + mask {args.mask}" if args.mask else ""))
+    print("| task | metric | value |\n|---|---|---:|")
+    for task, metrics in results.items():
+        for metric, value in metrics.items():
+            print(f"| {task} | {metric} | {value:.4f} |")
+    if args.output:
+        save_json(results, args.output)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``hf-maskllm``; without a command it runs ``learn``.
 
@@ -236,12 +281,14 @@ def main(argv: list[str] | None = None) -> None:
 
     command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("learn", "-h", "--help"):
+    if not argv or argv[0] not in ("learn", "zero-shot", "-h", "--help"):
         argv = ["learn", *argv]
     args = _parser().parse_args(argv)
     try:
         if args.command == "learn":
             learn(args)
+        elif args.command == "zero-shot":
+            zero_shot(args)
     except MaskLLMError as e:
         if not command_line:
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -106,3 +107,40 @@ def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path, main_jo
     served.set_mask("json-code")
     assert served.training_summary["optimizer_steps"] == 1
     assert served.training_summary["prior"] == f"{general / 'mask'} + magnitude"
+
+
+@pytest.mark.slow
+def test_cli_takes_the_reference_mask_file_as_its_prior(tmp_path, main_job):
+    """`learn --prior mask_compressed.npz`: the prior the run evaluates is exactly the file's mask, here the
+    main job's learned mask written in the reference's format."""
+    import io
+
+    from hf_maskllm import MaskModel
+    from hf_maskllm.cli import main
+    from hf_maskllm.embedded import load_smollm2
+
+    general, _ = main_job
+    model, _ = load_smollm2()
+    MaskModel.from_pretrained(model, general / "mask").save_pretrained(tmp_path / "reference", format="npz")
+    npz = tmp_path / "reference" / "mask_compressed.npz"
+    printed = io.StringIO()
+    args = [
+        "--prior",
+        str(npz),
+        "--steps",
+        "1",
+        "--eval-windows",
+        "1",
+        "--eval-seqlen",
+        "128",
+        "--seqlen",
+        "64",
+    ]
+    with contextlib.redirect_stdout(printed):
+        main(["learn", *args, "--no-merged", "--output", str(tmp_path / "out")])
+    ppl = json.loads((tmp_path / "out" / "results.json").read_text())["perplexity"]
+    learned = json.loads((general / "results.json").read_text())["perplexity"]["MaskLLM (256 tokens)"]
+    assert ppl[f"prior ({npz})"] == pytest.approx(learned, rel=1e-6)  # the same hard masks, the same windows
+    assert MaskModel.from_pretrained(load_smollm2()[0], tmp_path / "out" / "mask").mask_config.prior == str(
+        npz
+    )

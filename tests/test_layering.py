@@ -23,7 +23,7 @@ LAYERS = [
     {"priors", "optim", "perplexity", "training_args", "embedded"},
     {"sparse"},
     {"adapters"},
-    {"check", "memory", "learn"},
+    {"check", "memory", "learn", "zero_shot"},
     {"cli"},
     {"__main__", "__init__"},
 ]

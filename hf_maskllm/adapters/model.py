@@ -27,6 +27,7 @@ from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
 from .prior_init import apply_prior_rule
+from .reference_file import REFERENCE_NAME, find_reference_file
 from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, read_config, resolve_mask_folder, save_masks
 from .schedule import MaskSchedule
 from .targets import find_targets
@@ -305,6 +306,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
         tokenizer: Any = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         selected_masks: list[str] | None = None,
+        format: str = "hf_maskllm",
         **kwargs: Any,
     ) -> None:
         """Save every mask (or ``selected_masks``): config, packed hard masks, optional logits, model card.
@@ -315,12 +317,14 @@ class MaskModel(NamedMasksMixin, nn.Module):
         checkpoint with zeros) that ``from_pretrained`` loads. ``state_dict``: the active mask's logits
         keyed as ``state_dict()`` keys them, used instead of the layers' own; under FSDP, where each
         process holds a shard of them, the full state dict that ``accelerator.get_state_dict(model)``
-        gathers on every process (the main process then saves).
+        gathers on every process (the main process then saves). ``format="npz"`` writes each mask as the
+        MaskLLM reference implementation's ``mask_compressed.npz`` (hard masks only; its evaluation script
+        applies it, and :meth:`from_pretrained` reads it back).
         """
         if merged:
-            if state_dict is not None or selected_masks is not None:
+            if state_dict is not None or selected_masks is not None or format != "hf_maskllm":
                 raise ConfigError(
-                    "state_dict and selected_masks apply to mask saves only; a merged checkpoint holds the active "
+                    "state_dict, selected_masks and format apply to mask saves only; a merged checkpoint holds the active "
                     "mask. For a sharded model, load the saved mask into an unsharded model "
                     "(MaskModel.from_pretrained) and save that."
                 )
@@ -342,7 +346,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
         if kwargs:
             raise ConfigError(f"Unexpected arguments for a mask save: {sorted(kwargs)}.")
         self._check_not_merged()
-        save_masks(self, save_directory, selected_masks, save_logits, state_dict)
+        save_masks(self, save_directory, selected_masks, save_logits, state_dict, format)
 
     def _merged_card_fields(self) -> dict[str, Any]:
         cfg = self.mask_config
@@ -391,6 +395,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
         mask_name: str = DEFAULT_MASK_NAME,
         subfolder: str | None = None,
         keep_logits: bool = False,
+        config: MaskConfig | None = None,
     ) -> MaskModel:
         """Attach a saved mask (folder or Hub repo id) to ``model`` as ``mask_name``; restores exactly the
         saved hard masks. Add more masks with :meth:`load_mask`.
@@ -399,24 +404,44 @@ class MaskModel(NamedMasksMixin, nn.Module):
         logits those are restored too (to resume or transfer); otherwise logits are initialised from the
         hard mask with the prior rule. ``is_trainable=False`` freezes the logits, puts the model in eval
         mode, and holds the mask packed whenever another one is active.
+
+        ``name_or_path`` may also be the MaskLLM reference implementation's ``mask_compressed.npz`` (the
+        file, a folder or a Hub repo holding it), which carries no config: ``config`` (default
+        ``MaskConfig()``) says its N:M and which layers it must cover (``exclude_modules``: the layers to
+        leave dense).
         """
         check_mask_name(mask_name)
-        folder = resolve_mask_folder(name_or_path, revision, subfolder)
-        config = read_config(folder)
+        reference = find_reference_file(name_or_path, revision, subfolder)
+        if reference is None:
+            if config is not None:
+                raise ConfigError(
+                    f"config= is for a mask file that carries none (the MaskLLM reference's {REFERENCE_NAME}); "
+                    f"{name_or_path!r} is an hf_maskllm mask folder with its own config. Drop config=."
+                )
+            source = resolve_mask_folder(name_or_path, revision, subfolder)
+            config = read_config(source)
+            strict = False
+        else:
+            source, config = reference, _reference_config(config)
+            if config.base_model_name_or_path is None:
+                config.base_model_name_or_path = (
+                    getattr(getattr(model, "config", None), "_name_or_path", None) or None
+                )
+            strict = config.strict
         try:
             targets = find_targets(
-                model, config.target_modules, config.exclude_modules, config.m, strict=False
+                model, config.target_modules, config.exclude_modules, config.m, strict=strict
             )
         except TargetError as e:
             raise MaskFileError(
-                f"mask folder {folder}: its target_modules / exclude_modules select no layer of this "
+                f"mask {source}: its target_modules / exclude_modules select no layer of this "
                 f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
                 "learned on."
             ) from e
         mask_model = cls.__new__(cls)
         with mask_model._wrapping(model, config, targets):
             mask_model._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
-            mask_model._load_mask(folder, mask_name, is_trainable, None, None, keep_logits, True)
+            mask_model._load_mask(source, mask_name, is_trainable, None, None, keep_logits, True, config)
             mask_model.set_mask(mask_name)
         if not is_trainable:
             mask_model.eval()
@@ -448,3 +473,19 @@ class MaskModel(NamedMasksMixin, nn.Module):
 
             return to_sparse_layers(self.base_model, cfg.n, cfg.m, modules=names)
         return self.base_model
+
+
+def _reference_config(config: MaskConfig | None) -> MaskConfig:
+    """The config a reference mask file is loaded with: ``config`` (default ``MaskConfig()``), no prior."""
+    if config is None:
+        return MaskConfig()
+    if not isinstance(config, MaskConfig):
+        raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
+    if config.prior is not None:
+        raise ConfigError(
+            f"config.prior={config.prior!r}: a loaded mask is the hard mask of the file, it has no prior. Drop "
+            "prior, or pass the file as MaskConfig(prior=...) to get_mask_model to learn a mask from it."
+        )
+    config = MaskConfig.from_dict(config.to_dict())  # the caller's object stays as it was
+    config.validate()
+    return config

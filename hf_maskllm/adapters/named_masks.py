@@ -30,14 +30,17 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError
+from ..modules import is_conv1d
 from ..patterns import candidate_patterns
 from .config import CONFIG_NAME, MaskConfig
 from .prior_init import TORCH_DTYPES, initial_logits, prior_masks
+from .reference_file import REFERENCE_NAME, find_reference_file
 from .save_and_load import (
     DEFAULT_MASK_NAME,
     check_mask_name,
     logits_from_saved,
     read_config,
+    read_reference_mask,
     read_saved_mask,
     resolve_mask_folder,
 )
@@ -212,19 +215,32 @@ class NamedMasksMixin:
         subfolder: str | None,
         keep_logits: bool,
         with_logits: bool,
+        reference_config: MaskConfig | None = None,
     ) -> None:
         """``load_mask``; ``with_logits``: hold the logits (saved, or rebuilt from the hard masks) whatever
-        ``is_trainable`` and ``keep_logits`` say, as ``from_pretrained`` does for the mask it activates."""
+        ``is_trainable`` and ``keep_logits`` say, as ``from_pretrained`` does for the mask it activates.
+        ``reference_config``: the config of a reference ``mask_compressed.npz`` (which carries none;
+        default: the active mask's, without its prior)."""
         self._check_new_name(mask_name)
         self._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
-        folder = resolve_mask_folder(name_or_path, revision, subfolder)
-        config = read_config(folder)
-        self._check_compatible(mask_name, config, f"the mask in {folder}")
-        _check_base_model(folder, config, self.base_model)
         layers = self.masked_layers()
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+        reference = find_reference_file(name_or_path, revision, subfolder)
+        if reference is not None:
+            config = reference_config or MaskConfig.from_dict({**self.mask_config.to_dict(), "prior": None})
+            self._check_compatible(mask_name, config, f"the MaskConfig for {reference}")
+            transposed = {name for name, layer in layers.items() if is_conv1d(layer.base_layer)}
+            model_layers = {name for name, _ in self.base_model.named_modules()}
+        else:
+            folder = resolve_mask_folder(name_or_path, revision, subfolder)
+            config = read_config(folder)
+            self._check_compatible(mask_name, config, f"the mask in {folder}")
+            _check_base_model(folder, config, self.base_model)
         try:
-            saved = read_saved_mask(folder, config, shapes)
+            if reference is not None:
+                saved = read_reference_mask(reference, config, shapes, transposed, model_layers)
+            else:
+                saved = read_saved_mask(folder, config, shapes)
         except MaskFileError as e:
             raise MaskFileError(f"Mask {mask_name!r}: {e}") from e
         logits = None
@@ -324,7 +340,11 @@ class NamedMasksMixin:
         if subfolder is not None or mask_name == DEFAULT_MASK_NAME:
             return
         root = Path(name_or_path).expanduser()
-        if (root / CONFIG_NAME).is_file() and (root / mask_name / CONFIG_NAME).is_file():
+
+        def holds_mask(folder: Path) -> bool:
+            return (folder / CONFIG_NAME).is_file() or (folder / REFERENCE_NAME).is_file()
+
+        if holds_mask(root) and holds_mask(root / mask_name):
             raise MaskFileError(
                 f"{str(root)!r} holds its default mask at the top and a mask saved as {mask_name!r} in "
                 f"{str(root / mask_name)!r}; mask_name={mask_name!r} alone would load the default mask under that "

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError
-from ..modules import dense_weight_view
+from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns, mask_to_indices
 from ..priors.calibration import PRIOR_METHODS, compute_prior_masks
 from ..serialization import resolve_folder
 from .config import CONFIG_NAME, MaskConfig
 from .mask_file import MASKS_NAME, load_mask_config, read_masks
+from .reference_file import find_reference_file, read_reference_indices
 
 __all__ = [
     "TORCH_DTYPES",
@@ -167,8 +168,7 @@ def prior_masks(
             tokens = _calibration_tokens(config, source, calibration_data, tokenizer)
             out.append(compute_prior_masks(model, source, config.n, config.m, targets, calibration=tokens))
         else:
-            shapes = {name: tuple(dense_weight_view(model.get_submodule(name)).shape) for name in targets}
-            out.append(saved_mask_prior(config, shapes, source))
+            out.append(saved_mask_prior(config, model, targets, source))
     return out
 
 
@@ -200,19 +200,33 @@ def _calibration_tokens(config: MaskConfig, method: str, data: Any, tokenizer: A
 
 
 def saved_mask_prior(
-    config: MaskConfig, shapes: dict[str, tuple[int, int]], source: str | None = None
+    config: MaskConfig, model: nn.Module, targets: list[str], source: str
 ) -> dict[str, torch.Tensor]:
-    """Hard masks of the saved mask ``source`` (folder or repo id; default ``config.prior``) for ``shapes``."""
-    source = config.prior if source is None else source
-    folder = resolve_folder(
-        source, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
-    )
-    saved = load_mask_config(folder)
-    if (saved.n, saved.m) != (config.n, config.m):
-        raise MaskFileError(
-            f"Prior mask {source!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
-            "use the same N:M."
+    """Hard masks (``[out, in]`` bool) of the saved mask ``source`` for the layers ``targets`` of ``model``:
+    an hf_maskllm mask folder or Hub repo id, or the MaskLLM reference's ``mask_compressed.npz`` (the
+    file, a folder or a Hub repo holding it)."""
+    modules = {name: model.get_submodule(name) for name in targets}
+    shapes = {name: tuple(dense_weight_view(module).shape) for name, module in modules.items()}
+    reference = find_reference_file(source)
+    if reference is not None:
+        indices = read_reference_indices(
+            reference,
+            shapes,
+            config.n,
+            config.m,
+            transposed={name for name, module in modules.items() if is_conv1d(module)},
+            model_layers={name for name, _ in model.named_modules()},
         )
-    indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
+    else:
+        folder = resolve_folder(
+            source, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
+        )
+        saved = load_mask_config(folder)
+        if (saved.n, saved.m) != (config.n, config.m):
+            raise MaskFileError(
+                f"Prior mask {source!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
+                "use the same N:M."
+            )
+        indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
     cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
     return {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}

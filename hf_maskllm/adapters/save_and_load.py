@@ -20,7 +20,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError
-from ..patterns import candidate_patterns
+from ..modules import is_conv1d
+from ..patterns import candidate_patterns, indices_to_mask
 from ..serialization import atomic_folder, atomic_write, resolve_folder
 from .card import mask_model_card
 from .config import CONFIG_NAME, MaskConfig
@@ -34,18 +35,21 @@ from .mask_file import (
     write_logits,
     write_masks,
 )
-from .packing import bits_per_weight
+from .packing import bits_per_weight, pack_indices
 from .prior_init import apply_prior_rule
+from .reference_file import REFERENCE_NAME, read_reference_indices, write_reference_file
 
 if TYPE_CHECKING:
     from .model import MaskModel
 
 __all__ = [
     "DEFAULT_MASK_NAME",
+    "SAVE_FORMATS",
     "SavedMask",
     "check_mask_name",
     "logits_from_saved",
     "mask_folder",
+    "read_reference_mask",
     "read_saved_mask",
     "resolve_mask_folder",
     "save_masks",
@@ -53,6 +57,8 @@ __all__ = [
 
 
 DEFAULT_MASK_NAME = "default"
+SAVE_FORMATS = ("hf_maskllm", "npz")
+_HF_MASKLLM_FILES = (CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md"}
 
@@ -80,8 +86,19 @@ def save_masks(
     selected_masks: list[str] | None,
     save_logits: bool,
     state_dict: dict[str, torch.Tensor] | None,
+    format: str = "hf_maskllm",
 ) -> None:
-    """Write each selected mask (default: all) to its folder; see the module docstring for the layout."""
+    """Write each selected mask (default: all) to its folder; see the module docstring for the layout.
+
+    ``format="npz"`` writes each folder as the MaskLLM reference's ``mask_compressed.npz`` instead (hard
+    masks only), which the reference's evaluation script applies."""
+    if format not in SAVE_FORMATS:
+        raise ConfigError(f"format={format!r} is not one of {SAVE_FORMATS}.")
+    if format == "npz" and save_logits:
+        raise ConfigError(
+            "format='npz' (the MaskLLM reference's mask_compressed.npz) holds hard masks only; save the logits "
+            "with the default format='hf_maskllm'."
+        )
     names = mask_model.list_masks() if selected_masks is None else list(selected_masks)
     unknown = [name for name in names if name not in mask_model.list_masks()]
     if unknown or not names:
@@ -95,7 +112,7 @@ def save_masks(
             f"{names} leaves out; select it, or drop state_dict."
         )
     for name in names:
-        _save_one(mask_model, name, mask_folder(save_directory, name), save_logits, state_dict)
+        _save_one(mask_model, name, mask_folder(save_directory, name), save_logits, state_dict, format)
 
 
 def _save_one(
@@ -104,6 +121,7 @@ def _save_one(
     folder: Path,
     save_logits: bool,
     state_dict: dict[str, torch.Tensor] | None,
+    format: str,
 ) -> None:
     layers = mask_model.masked_layers()
     shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
@@ -134,8 +152,20 @@ def _save_one(
             stacklevel=3,
         )
     # The whole folder is built beside the target and swapped in at once: a crash leaves the previous
-    # save intact, and stale logits of an earlier save never sit beside the new masks.
-    with atomic_folder(folder, drop=lambda name: name == LOGITS_NAME, last=CONFIG_NAME) as tmp:
+    # save intact, and files of an earlier save in the other format (or stale logits) never sit beside
+    # the new masks.
+    config = mask.config
+    if format == "npz":
+        transposed = {name for name, layer in layers.items() if is_conv1d(layer.base_layer)}
+        masks = (
+            (name, indices_to_mask(idx, config.n, config.m, shapes[name])) for name, idx in indices.items()
+        )
+        with atomic_folder(folder, drop=lambda name: name in _HF_MASKLLM_FILES, last=REFERENCE_NAME) as tmp:
+            write_reference_file(tmp / REFERENCE_NAME, masks, transposed)
+        return
+    with atomic_folder(
+        folder, drop=lambda name: name in (LOGITS_NAME, REFERENCE_NAME), last=CONFIG_NAME
+    ) as tmp:
         # write_masks verifies the N:M invariant (one candidate index in [0, C) per group) first.
         write_masks(tmp / MASKS_NAME, indices, shapes, mask.config.n, mask.config.m, mask.summary)
         if save_logits and logits is not None:
@@ -257,6 +287,22 @@ def read_saved_mask(folder: Path, config: MaskConfig, shapes: dict[str, tuple[in
         }
         logits = read_logits(folder / LOGITS_NAME, groups_c)
     return SavedMask(folder, config, dict(shapes), packed, indices, summary, logits)
+
+
+def read_reference_mask(
+    path: Path,
+    config: MaskConfig,
+    shapes: dict[str, tuple[int, int]],
+    transposed: set[str],
+    model_layers: set[str],
+) -> SavedMask:
+    """Read and verify the MaskLLM reference's ``mask_compressed.npz`` at ``path`` for the layers in
+    ``shapes``, with ``config`` (the file carries none) saying its N:M (``reference_file.py``)."""
+    indices = read_reference_indices(path, shapes, config.n, config.m, transposed, model_layers)
+    num_candidates = math.comb(config.m, config.n)
+    packed = {name: pack_indices(idx, num_candidates) for name, idx in indices.items()}
+    summary = {"source": f"MaskLLM reference {REFERENCE_NAME}"}
+    return SavedMask(path, config, dict(shapes), packed, indices, summary, None)
 
 
 @torch.no_grad()
