@@ -56,10 +56,11 @@ def step_build(work: Path, shape: dict) -> dict:
     model = LlamaForCausalLM(config)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(work / "dense", max_shard_size="500MB")
+    parameters = sum(p.numel() for p in model.parameters())  # before the mask logits join them
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.save_pretrained(work / "mask")
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "masked_weights": sum(
             layer.out_features * layer.in_features for layer in mask_model.masked_layers().values()
         ),
