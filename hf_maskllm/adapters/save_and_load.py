@@ -60,7 +60,7 @@ DEFAULT_MASK_NAME = "default"
 SAVE_FORMATS = ("hf_maskllm", "npz")
 _HF_MASKLLM_FILES = (CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md"}
+_RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, REFERENCE_NAME, "README.md"}
 
 
 def check_mask_name(name: object) -> str:
