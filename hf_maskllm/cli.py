@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .zero_shot import PAPER_TASKS
+
 __all__ = ["main"]
 
 
@@ -76,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     zero_shot.add_argument(
         "--tasks",
-        default="hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa,race",
+        default=",".join(PAPER_TASKS),
         help="comma-separated lm-eval tasks (default: the MaskLLM paper's)",
     )
     zero_shot.add_argument("--limit", type=float, default=None, help="documents per task (below 1: a share)")
