@@ -5,7 +5,10 @@ Nothing is downloaded: the config is Llama-3.2-1B's shape (16 layers, hidden 204
 Each step runs in its own process, so its peak resident memory is its own:
 
 - ``build``: the dense checkpoint and a saved magnitude 2:4 mask for it (setup, not measured);
-- ``apply_save``: load the dense checkpoint, apply the saved mask, save the compressed 2:4 checkpoint;
+- ``merge_checkpoint``: apply the saved mask to the dense checkpoint on disk and write the compressed 2:4
+  checkpoint, one shard at a time (``hf_maskllm.merge_checkpoint``);
+- ``apply_save``: the same in memory: load the dense model, ``MaskModel.from_pretrained`` with the mask,
+  ``save_pretrained(merged=True)``;
 - ``load_generate``: load the compressed checkpoint (``from_pretrained``) and generate tokens;
 - ``learn``: a few mask-learning steps (bf16 logits, ``learn_mask``'s recipe) on random token ids.
 
@@ -69,19 +72,46 @@ def step_build(work: Path, shape: dict) -> dict:
     }
 
 
+def _compressed_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def step_merge_checkpoint(work: Path, shape: dict) -> dict:
+    from hf_maskllm import merge_checkpoint
+
+    merge_checkpoint(work / "dense", work / "mask", work / "compressed", progress=False)
+    return {"compressed_checkpoint_bytes": _compressed_bytes(work / "compressed")}
+
+
 def step_apply_save(work: Path, shape: dict) -> dict:
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from hf_maskllm import MaskModel
 
     model = AutoModelForCausalLM.from_pretrained(work / "dense", dtype=torch.bfloat16)
     mask_model = MaskModel.from_pretrained(model, work / "mask")
-    mask_model.save_pretrained(work / "compressed", merged=True, max_shard_size="500MB")
+    out = work / "compressed_in_memory"
+    mask_model.save_pretrained(out, merged=True, max_shard_size="500MB")
+    del model, mask_model
+    streamed = {}  # key -> file of what merge_checkpoint wrote
+    for file in (work / "compressed").glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            streamed.update(dict.fromkeys(f.keys(), file))
+    keys, identical = set(), True  # compared one tensor at a time
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                keys.add(key)
+                if key not in streamed:
+                    identical = False
+                    continue
+                with safe_open(str(streamed[key]), framework="pt") as g:
+                    identical &= torch.equal(f.get_tensor(key), g.get_tensor(key))
     return {
-        "compressed_checkpoint_bytes": sum(
-            p.stat().st_size for p in (work / "compressed").glob("*.safetensors")
-        )
+        "compressed_checkpoint_bytes": _compressed_bytes(out),
+        "same_tensors_as_merge_checkpoint": bool(identical and keys == set(streamed)),
     }
 
 
@@ -130,6 +160,7 @@ def step_learn(work: Path, shape: dict, steps: int = 3, seqlen: int = 128) -> di
 
 STEPS = {
     "build": step_build,
+    "merge_checkpoint": step_merge_checkpoint,
     "apply_save": step_apply_save,
     "load_generate": step_load_generate,
     "learn": step_learn,
@@ -186,13 +217,17 @@ def main() -> None:
     for r in results.values():  # the step's own memory: its peak above what the imports hold
         r["rss_peak_above_baseline_bytes"] = r["rss_peak_bytes"] - r["rss_baseline_bytes"]
     ratios = {
+        "merge_checkpoint_peak_rss_vs_dense_checkpoint": results["merge_checkpoint"][
+            "rss_peak_above_baseline_bytes"
+        ]
+        / dense,
         "apply_save_peak_rss_vs_dense_checkpoint": results["apply_save"]["rss_peak_above_baseline_bytes"]
         / dense,
         "load_generate_peak_rss_vs_dense_checkpoint": results["load_generate"][
             "rss_peak_above_baseline_bytes"
         ]
         / dense,
-        "compressed_vs_dense_checkpoint": results["apply_save"]["compressed_checkpoint_bytes"] / dense,
+        "compressed_vs_dense_checkpoint": results["merge_checkpoint"]["compressed_checkpoint_bytes"] / dense,
     }
     learn = results["learn"]
     state = learn["training_state_bytes"]
@@ -219,7 +254,7 @@ def main() -> None:
         "| step | wall time | peak RSS | the step's memory | / dense checkpoint |",
         "|---|---:|---:|---:|---:|",
     ]
-    for step in ("apply_save", "load_generate", "learn"):
+    for step in ("merge_checkpoint", "apply_save", "load_generate", "learn"):
         r = results[step]
         own = r["rss_peak_above_baseline_bytes"]
         lines.append(
@@ -228,8 +263,11 @@ def main() -> None:
         )
     lines += [
         "",
-        f"- compressed checkpoint: {results['apply_save']['compressed_checkpoint_bytes'] / gib:.2f} GiB "
-        f"({ratios['compressed_vs_dense_checkpoint']:.3f}x the dense one)",
+        f"- compressed checkpoint: {results['merge_checkpoint']['compressed_checkpoint_bytes'] / gib:.2f} GiB "
+        f"({ratios['compressed_vs_dense_checkpoint']:.3f}x the dense one); merge_checkpoint (streamed, shard by "
+        "shard) and apply_save (the model in memory: MaskModel.from_pretrained, save_pretrained(merged=True)) "
+        "wrote the same tensors: "
+        f"{'yes' if results['apply_save']['same_tensors_as_merge_checkpoint'] else 'NO'}",
         f"- load: {results['load_generate']['load_seconds']:.1f} s; generation: "
         f"{results['load_generate']['generate_tok_s']:.2f} tokens/s (greedy, batch 1)",
         f"- mask learning: {learn['steps']} steps x 1 x {learn['seqlen']} tokens in {learn['seconds']:.1f} s "

@@ -3,11 +3,19 @@
 Public API::
 
     from hf_maskllm import MaskConfig, get_mask_model, MaskModel, MaskAnnealCallback, MaskAdamW, MaskTrainingArguments, check_nm
+    from hf_maskllm import merge_checkpoint, save_compressed
 """
 
 __version__ = "0.1.0"  # before the imports: submodules read it
 
-from .adapters import MaskAnnealCallback, MaskConfig, MaskedLinear, MaskModel, get_mask_model
+from .adapters import (
+    MaskAnnealCallback,
+    MaskConfig,
+    MaskedLinear,
+    MaskModel,
+    get_mask_model,
+    merge_checkpoint,
+)
 from .check import NMReport, check_nm
 from .errors import MaskLLMError
 from .optim import MaskAdamW
@@ -27,5 +35,6 @@ __all__ = [
     "__version__",
     "check_nm",
     "get_mask_model",
+    "merge_checkpoint",
     "save_compressed",
 ]

@@ -1,11 +1,12 @@
-"""Command line: ``hf-maskllm learn`` and ``hf-maskllm zero-shot`` (also ``python -m hf_maskllm``).
+"""Command line: ``hf-maskllm learn``, ``zero-shot`` and ``merge`` (also ``python -m hf_maskllm``).
 
 The main job: load a model (default: the embedded real SmolLM2-135M), measure dense perplexity,
 build a one-shot prior mask, learn the 2:4 mask with a short Trainer run, print a perplexity
 table (dense / prior / learned on held-out Wikipedia and news), save the mask and the merged
 compressed model, reload that model and print its continuations of a few prompts beside the dense
 model's. ``zero-shot`` runs lm-evaluation-harness tasks on a model, a masked model or a compressed
-checkpoint (``hf_maskllm.zero_shot``).
+checkpoint (``hf_maskllm.zero_shot``). ``merge`` applies a saved mask to a dense checkpoint on disk and
+writes the compressed checkpoint, shard by shard (``hf_maskllm.merge_checkpoint``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,22 @@ def _parser() -> argparse.ArgumentParser:
     zero_shot.add_argument("--batch-size", type=int, default=1)
     zero_shot.add_argument("--include-path", default=None, help="a folder of your own lm-eval task files")
     zero_shot.add_argument("--output", default=None, help="write the results as JSON to this file")
+    merge = sub.add_parser(
+        "merge",
+        help="apply a saved mask to a dense safetensors checkpoint and write the compressed N:M checkpoint, "
+        "one shard at a time (memory: about one shard, whatever the model's size)",
+    )
+    merge.add_argument("--model", required=True, help="the dense checkpoint: a folder or Hub id")
+    merge.add_argument("--mask", required=True, help="a saved mask (folder, repo id or mask_compressed.npz)")
+    merge.add_argument("--output", required=True, help="the folder to write")
+    merge.add_argument("--n", type=int, default=None, help="N of a mask_compressed.npz (default 2)")
+    merge.add_argument("--m", type=int, default=None, help="M of a mask_compressed.npz (default 4)")
+    merge.add_argument(
+        "--exclude-modules",
+        nargs="+",
+        default=None,
+        help="layers a mask_compressed.npz leaves dense (names or name suffixes)",
+    )
     return p
 
 
@@ -272,6 +289,19 @@ def zero_shot(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return results
 
 
+def merge(args: argparse.Namespace) -> list[str]:
+    """``hf-maskllm merge``: ``merge_checkpoint`` from the command line; returns the compressed layers."""
+    from .adapters import MaskConfig, merge_checkpoint
+
+    fields = {"n": args.n, "m": args.m, "exclude_modules": args.exclude_modules}
+    given = {key: value for key, value in fields.items() if value is not None}
+    names = merge_checkpoint(
+        args.model, args.mask, args.output, config=MaskConfig(**given) if given else None
+    )
+    print(f"{len(names)} layers stored compressed in {args.output}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``hf-maskllm``; without a command it runs ``learn``.
 
@@ -283,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
 
     command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("learn", "zero-shot", "-h", "--help"):
+    if not argv or argv[0] not in ("learn", "zero-shot", "merge", "-h", "--help"):
         argv = ["learn", *argv]
     args = _parser().parse_args(argv)
     try:
@@ -291,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
             learn(args)
         elif args.command == "zero-shot":
             zero_shot(args)
+        elif args.command == "merge":
+            merge(args)
     except MaskLLMError as e:
         if not command_line:
             raise

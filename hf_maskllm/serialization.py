@@ -289,8 +289,11 @@ def refuse_pickle(
     if not path.is_file():
         raise error(f"{what} {path} does not exist; check the folder, or save it again.")
     with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith(_PICKLE_MAGICS):
+        head = f.read(9)
+    # A safetensors file starts with its header's length (8 bytes, little-endian) and the header's "{";
+    # that length may begin with the same bytes as a pickle (0x80 0x02 for a 640-byte header).
+    is_safetensors = head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
+    if not is_safetensors and head.startswith(_PICKLE_MAGICS):
         raise error(
             f"{what} {path} is a pickle / torch.save file, which hf_maskllm never loads (it can run code). "
             "Convert it to safetensors with a tool you trust."

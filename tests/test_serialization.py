@@ -106,3 +106,19 @@ def test_only_hub_errors_read_as_download_failures(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fails_with(cache_denied))
     with pytest.raises(PermissionError):
         resolve_folder("user/mask", [CONFIG_NAME], error=MaskFileError)
+
+
+@pytest.mark.parametrize("header_bytes", [0x280, 0x380, 0x480, 0x580])
+def test_a_safetensors_header_length_that_starts_like_a_pickle_still_loads(tmp_path, header_bytes):
+    """The first bytes of a safetensors file are its header's length: 640 is b"\\x80\\x02...", a pickle's
+    opening. Such a file is read, not refused as a pickle."""
+    tensors = {"a": torch.arange(4.0)}
+    for pad in range(2000):
+        path = tmp_path / "t.safetensors"
+        save_safetensors(tensors, path, metadata={"pad": "x" * pad})
+        if int.from_bytes(path.read_bytes()[:8], "little") == header_bytes:
+            break
+    else:
+        pytest.fail(f"no padding gives a {header_bytes}-byte header")
+    loaded, metadata = load_safetensors(path, error=MaskFileError, what="test file")
+    assert torch.equal(loaded["a"], tensors["a"]) and metadata["pad"].startswith("x")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..hub import is_hub_repo_id
 
-__all__ = ["mask_model_card"]
+if TYPE_CHECKING:
+    from .config import MaskConfig
+
+__all__ = ["mask_model_card", "merged_card_fields"]
 
 
 def mask_model_card(
@@ -62,3 +65,20 @@ def mask_model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def merged_card_fields(
+    config: MaskConfig, summary: dict[str, Any], mask_name: str = "default"
+) -> dict[str, Any]:
+    """The rows a merged (compressed) checkpoint's model card adds about the mask merged into it."""
+    fields: dict[str, Any] = {}
+    if config.base_model_name_or_path:
+        fields["base_model"] = config.base_model_name_or_path
+    if mask_name != "default":
+        fields["mask"] = mask_name
+    fields["how the mask was learned"] = (
+        f"MaskLLM (hf_maskllm): learnable {config.n}:{config.m} masks sampled with Gumbel softmax, weights "
+        f"frozen; prior: {' + '.join(config.prior_sources) or 'none'}"
+    )
+    fields.update({key.replace("_", " "): value for key, value in sorted(summary.items())})
+    return fields

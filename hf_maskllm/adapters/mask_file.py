@@ -34,9 +34,11 @@ __all__ = [
     "LOGITS_NAME",
     "MASKS_NAME",
     "load_mask_config",
+    "open_packed_masks",
     "read_logits",
     "read_masks",
     "read_packed_masks",
+    "unpack_layer",
     "write_logits",
     "write_masks",
 ]
@@ -156,6 +158,16 @@ def read_packed_masks(
     path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`read_masks` that also returns the validated packed bytes per layer (uint8, as stored)."""
+    packed, summary = open_packed_masks(path, shapes, n, m)
+    indices = {name: unpack_layer(path, name, packed[name], shape, n, m) for name, shape in shapes.items()}
+    return packed, indices, summary
+
+
+def open_packed_masks(
+    path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The packed bytes per layer (uint8, as stored) and the summary of the mask file ``path``, checked for
+    the layers in ``shapes`` (header, coverage, shapes, checksums); :func:`unpack_layer` decodes a layer."""
     tensors, metadata = load_safetensors(path, error=MaskFileError, what="mask file")
     _check_header(path, metadata, n, m)
     stored = {k[: -len(".mask")] for k in tensors if k.endswith(".mask")}
@@ -180,7 +192,6 @@ def read_packed_masks(
         raise MaskFileError(
             f"{path}: the training summary fails its checksum; the file is corrupt, save it again."
         )
-    out: dict[str, torch.Tensor] = {}
     packed_out: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         stored_shape = tensors.get(f"{name}.shape")
@@ -201,11 +212,6 @@ def read_packed_masks(
                 f"{path}: the packed mask of {name} fails its checksum; the file is corrupt. "
                 "Save or download it again."
             )
-        groups = shape[0] * shape[1] // m
-        try:
-            out[name] = unpack_indices(packed, groups, math.comb(m, n))
-        except MaskFileError as e:
-            raise MaskFileError(f"{path}: layer {name}: {e}") from None
         packed_out[name] = packed
     try:
         summary = json.loads(summary_json)
@@ -215,7 +221,18 @@ def read_packed_masks(
         raise MaskFileError(
             f"{path}: the training summary is not a JSON object; the file is corrupt, save it again."
         )
-    return packed_out, out, summary
+    return packed_out, summary
+
+
+def unpack_layer(
+    path: Path, name: str, packed: torch.Tensor, shape: tuple[int, int], n: int, m: int
+) -> torch.Tensor:
+    """The candidate indices (int64, one per group) of layer ``name`` from its packed bytes; a byte
+    string that does not decode to ``shape``'s groups raises :class:`MaskFileError` naming the layer."""
+    try:
+        return unpack_indices(packed, shape[0] * shape[1] // m, math.comb(m, n))
+    except MaskFileError as e:
+        raise MaskFileError(f"{path}: layer {name}: {e}") from None
 
 
 def write_logits(path: Path, logits: dict[str, torch.Tensor]) -> None:

@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
+from .card import merged_card_fields
 from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
 from .prior_init import apply_prior_rule
-from .reference_file import REFERENCE_NAME, find_reference_file
-from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, read_config, resolve_mask_folder, save_masks
+from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks
 from .schedule import MaskSchedule
 from .targets import find_targets
 from .wrapping import unwrapped, wrap_layers
@@ -339,7 +339,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
                     modules=list(self.masked_names),
                     dense=dense,
                     tokenizer=tokenizer,
-                    model_card=self._merged_card_fields(),
+                    model_card=merged_card_fields(self.mask_config, self.training_summary, self.active_mask),
                     **kwargs,
                 )
             return
@@ -347,20 +347,6 @@ class MaskModel(NamedMasksMixin, nn.Module):
             raise ConfigError(f"Unexpected arguments for a mask save: {sorted(kwargs)}.")
         self._check_not_merged()
         save_masks(self, save_directory, selected_masks, save_logits, state_dict, format)
-
-    def _merged_card_fields(self) -> dict[str, Any]:
-        cfg = self.mask_config
-        fields: dict[str, Any] = {}
-        if cfg.base_model_name_or_path:
-            fields["base_model"] = cfg.base_model_name_or_path
-        if self.active_mask != DEFAULT_MASK_NAME:
-            fields["mask"] = self.active_mask
-        fields["how the mask was learned"] = (
-            f"MaskLLM (hf_maskllm): learnable {cfg.n}:{cfg.m} masks sampled with Gumbel softmax, weights frozen; "
-            f"prior: {' + '.join(cfg.prior_sources) or 'none'}"
-        )
-        fields.update({key.replace("_", " "): value for key, value in sorted(self.training_summary.items())})
-        return fields
 
     def push_to_hub(
         self,
@@ -411,23 +397,15 @@ class MaskModel(NamedMasksMixin, nn.Module):
         leave dense).
         """
         check_mask_name(mask_name)
-        reference = find_reference_file(name_or_path, revision, subfolder)
-        if reference is None:
-            if config is not None:
-                raise ConfigError(
-                    f"config= is for a mask file that carries none (the MaskLLM reference's {REFERENCE_NAME}); "
-                    f"{name_or_path!r} is an hf_maskllm mask folder with its own config. Drop config=."
-                )
-            source = resolve_mask_folder(name_or_path, revision, subfolder)
-            config = read_config(source)
-            strict = False
-        else:
-            source, config = reference, _reference_config(config)
-            if config.base_model_name_or_path is None:
-                config.base_model_name_or_path = (
-                    getattr(getattr(model, "config", None), "_name_or_path", None) or None
-                )
-            strict = config.strict
+        found = resolve_mask_source(
+            name_or_path,
+            revision,
+            subfolder,
+            config,
+            getattr(getattr(model, "config", None), "_name_or_path", None),
+        )
+        source, config = found.path, found.config
+        strict = config.strict if found.reference else False
         try:
             targets = find_targets(
                 model, config.target_modules, config.exclude_modules, config.m, strict=strict
@@ -473,19 +451,3 @@ class MaskModel(NamedMasksMixin, nn.Module):
 
             return to_sparse_layers(self.base_model, cfg.n, cfg.m, modules=names)
         return self.base_model
-
-
-def _reference_config(config: MaskConfig | None) -> MaskConfig:
-    """The config a reference mask file is loaded with: ``config`` (default ``MaskConfig()``), no prior."""
-    if config is None:
-        return MaskConfig()
-    if not isinstance(config, MaskConfig):
-        raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
-    if config.prior is not None:
-        raise ConfigError(
-            f"config.prior={config.prior!r}: a loaded mask is the hard mask of the file, it has no prior. Drop "
-            "prior, or pass the file as MaskConfig(prior=...) to get_mask_model to learn a mask from it."
-        )
-    config = MaskConfig.from_dict(config.to_dict())  # the caller's object stays as it was
-    config.validate()
-    return config

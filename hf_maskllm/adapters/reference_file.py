@@ -31,7 +31,13 @@ from ..patterns import mask_to_indices
 from ..serialization import atomic_write, resolve_folder
 from .config import CONFIG_NAME
 
-__all__ = ["REFERENCE_NAME", "find_reference_file", "read_reference_indices", "write_reference_file"]
+__all__ = [
+    "REFERENCE_NAME",
+    "ReferenceMasks",
+    "find_reference_file",
+    "read_reference_indices",
+    "write_reference_file",
+]
 
 REFERENCE_NAME = "mask_compressed.npz"
 _SUFFIX = ".weight.mask"
@@ -87,46 +93,82 @@ def read_reference_indices(
     every module name of the model, to tell a key naming no layer from one naming a layer left dense.
     Raises :class:`MaskFileError` naming the key or layer at fault.
     """
-    archive = _open(path)
-    with archive:
-        by_layer: dict[str, str] = {}
-        for key in archive.files:
-            if not key.endswith(_SUFFIX):
-                raise MaskFileError(
-                    f"{path}: key {key!r} is not a mask of a weight ('<layer>.weight.mask'); the file is not a "
-                    "MaskLLM mask_compressed.npz, or was edited."
-                )
-            by_layer[key[: -len(_SUFFIX)]] = key
-        _check_coverage(path, by_layer, shapes, set(model_layers))
-        out = {}
-        for name, (out_f, in_f) in shapes.items():
-            key = by_layer[name]
-            packed = _array(archive, key, path)
-            numel = out_f * in_f
-            if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != math.ceil(numel / 8):
-                raise MaskFileError(
-                    f"{path}: {key!r} holds {packed.size} {packed.dtype} values (shape {packed.shape}); the layer "
-                    f"{name} is {_param_shape(name, out_f, in_f, transposed)}, so its mask is "
-                    f"{math.ceil(numel / 8)} uint8 bytes (np.packbits of {numel} bits). The mask belongs to another "
-                    "model."
-                )
-            bits = np.unpackbits(packed)
-            if bits[numel:].any():
-                raise MaskFileError(
-                    f"{path}: {key!r} has set bits past the end of its mask; the file is corrupt."
-                )
-            mask = torch.from_numpy(bits[:numel].astype(bool))
-            mask = mask.reshape(in_f, out_f).t() if name in transposed else mask.reshape(out_f, in_f)
-            try:
-                out[name] = mask_to_indices(mask, n, m)
-            except NMViolationError as e:
-                kept = mask.reshape(-1, m).sum(dim=1)
-                bad = int((kept != n).nonzero()[0, 0])
-                raise MaskFileError(
-                    f"{path}: the mask of {name} ({key!r}) is not {n}:{m}: {e} (group {bad} of its rows keeps "
-                    f"{int(kept[bad])}). Pass the N:M it was learned with (MaskConfig(n=..., m=...))."
-                ) from None
-        return out
+    with ReferenceMasks(path, shapes, n, m, transposed, model_layers) as masks:
+        return {name: masks.indices(name) for name in shapes}
+
+
+class ReferenceMasks:
+    """An open reference archive, checked to cover exactly the layers in ``shapes``; :meth:`indices`
+    reads and verifies one layer at a time (the archive is decompressed entry by entry), so a caller
+    that works layer by layer never holds the whole model's masks unpacked. A context manager."""
+
+    def __init__(
+        self,
+        path: Path,
+        shapes: dict[str, tuple[int, int]],
+        n: int,
+        m: int,
+        transposed: Collection[str] = (),
+        model_layers: Collection[str] = (),
+    ) -> None:
+        self.path, self.shapes, self.n, self.m = path, shapes, n, m
+        self.transposed = set(transposed)
+        self.archive = _open(path)
+        try:
+            self.keys: dict[str, str] = {}
+            for key in self.archive.files:
+                if not key.endswith(_SUFFIX):
+                    raise MaskFileError(
+                        f"{path}: key {key!r} is not a mask of a weight ('<layer>.weight.mask'); the file is not a "
+                        "MaskLLM mask_compressed.npz, or was edited."
+                    )
+                self.keys[key[: -len(_SUFFIX)]] = key
+            _check_coverage(path, self.keys, shapes, set(model_layers))
+        except BaseException:
+            self.archive.close()
+            raise
+
+    def __enter__(self) -> ReferenceMasks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the archive."""
+        self.archive.close()
+
+    def indices(self, name: str) -> torch.Tensor:
+        """Candidate indices (``[out*in/m]`` int64) of layer ``name``, read and verified."""
+        path, n, m = self.path, self.n, self.m
+        out_f, in_f = self.shapes[name]
+        key = self.keys[name]
+        packed = _array(self.archive, key, path)
+        numel = out_f * in_f
+        if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != math.ceil(numel / 8):
+            raise MaskFileError(
+                f"{path}: {key!r} holds {packed.size} {packed.dtype} values (shape {packed.shape}); the layer "
+                f"{name} is {_param_shape(name, out_f, in_f, self.transposed)}, so its mask is "
+                f"{math.ceil(numel / 8)} uint8 bytes (np.packbits of {numel} bits). The mask belongs to another "
+                "model."
+            )
+        bits = np.unpackbits(packed)
+        del packed
+        if bits[numel:].any():
+            raise MaskFileError(
+                f"{path}: {key!r} has set bits past the end of its mask; the file is corrupt."
+            )
+        mask = torch.from_numpy(bits[:numel].view(bool))
+        mask = mask.reshape(in_f, out_f).t() if name in self.transposed else mask.reshape(out_f, in_f)
+        try:
+            return mask_to_indices(mask, n, m)
+        except NMViolationError as e:
+            kept = mask.reshape(-1, m).sum(dim=1)
+            bad = int((kept != n).nonzero()[0, 0])
+            raise MaskFileError(
+                f"{path}: the mask of {name} ({key!r}) is not {n}:{m}: {e} (group {bad} of its rows keeps "
+                f"{int(kept[bad])}). Pass the N:M it was learned with (MaskConfig(n=..., m=...))."
+            ) from None
 
 
 def write_reference_file(

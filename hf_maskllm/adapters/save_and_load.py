@@ -30,14 +30,22 @@ from .mask_file import (
     LOGITS_NAME,
     MASKS_NAME,
     load_mask_config,
+    open_packed_masks,
     read_logits,
     read_packed_masks,
+    unpack_layer,
     write_logits,
     write_masks,
 )
 from .packing import bits_per_weight, pack_indices
 from .prior_init import apply_prior_rule
-from .reference_file import REFERENCE_NAME, read_reference_indices, write_reference_file
+from .reference_file import (
+    REFERENCE_NAME,
+    ReferenceMasks,
+    find_reference_file,
+    read_reference_indices,
+    write_reference_file,
+)
 
 if TYPE_CHECKING:
     from .model import MaskModel
@@ -45,13 +53,17 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MASK_NAME",
     "SAVE_FORMATS",
+    "LayerMasks",
+    "MaskSource",
     "SavedMask",
     "check_mask_name",
     "logits_from_saved",
     "mask_folder",
     "read_reference_mask",
     "read_saved_mask",
+    "reference_config",
     "resolve_mask_folder",
+    "resolve_mask_source",
     "save_masks",
 ]
 
@@ -61,6 +73,9 @@ SAVE_FORMATS = ("hf_maskllm", "npz")
 _HF_MASKLLM_FILES = (CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, REFERENCE_NAME, "README.md"}
+_REFERENCE_SUMMARY = {
+    "source": f"MaskLLM reference {REFERENCE_NAME}"
+}  # what a reference file tells of itself
 
 
 def check_mask_name(name: object) -> str:
@@ -266,6 +281,101 @@ def resolve_mask_folder(
     return folder / prefix if prefix else folder
 
 
+@dataclass
+class MaskSource:
+    """Where a saved mask lies and the config it is read with: an hf_maskllm mask folder (its own config)
+    or the MaskLLM reference's ``mask_compressed.npz`` (``reference``; the config the caller gave)."""
+
+    path: Path
+    config: MaskConfig
+    reference: bool
+
+
+def resolve_mask_source(
+    name_or_path: str | os.PathLike,
+    revision: str | None = None,
+    subfolder: str | None = None,
+    config: MaskConfig | None = None,
+    base_model_name_or_path: str | None = None,
+) -> MaskSource:
+    """Find the mask ``name_or_path`` names (folder, ``.npz`` file or Hub repo id) and its config.
+
+    ``config`` is for a reference file only (default ``MaskConfig()``; refused for an hf_maskllm folder,
+    which carries its own); ``base_model_name_or_path`` fills its ``base_model_name_or_path`` when unset.
+    """
+    reference = find_reference_file(name_or_path, revision, subfolder)
+    if reference is None:
+        if config is not None:
+            raise ConfigError(
+                f"config= is for a mask file that carries none (the MaskLLM reference's {REFERENCE_NAME}); "
+                f"{name_or_path!r} is an hf_maskllm mask folder with its own config. Drop config=."
+            )
+        folder = resolve_mask_folder(name_or_path, revision, subfolder)
+        return MaskSource(folder, read_config(folder), False)
+    config = reference_config(config)
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = base_model_name_or_path or None
+    return MaskSource(reference, config, True)
+
+
+def reference_config(config: MaskConfig | None) -> MaskConfig:
+    """The config a reference mask file is loaded with: ``config`` (default ``MaskConfig()``), no prior."""
+    if config is None:
+        return MaskConfig()
+    if not isinstance(config, MaskConfig):
+        raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
+    if config.prior is not None:
+        raise ConfigError(
+            f"config.prior={config.prior!r}: a loaded mask is the hard mask of the file, it has no prior. Drop "
+            "prior, or pass the file as MaskConfig(prior=...) to get_mask_model to learn a mask from it."
+        )
+    config = MaskConfig.from_dict(config.to_dict())  # the caller's object stays as it was
+    config.validate()
+    return config
+
+
+class LayerMasks:
+    """The hard masks of a :class:`MaskSource`, checked to cover exactly the layers in ``shapes`` and read
+    one layer at a time (:meth:`indices`): a caller working layer by layer never holds every layer's masks
+    unpacked. ``transposed`` / ``model_layers``: as for :func:`read_reference_mask`. A context manager."""
+
+    def __init__(
+        self,
+        source: MaskSource,
+        shapes: dict[str, tuple[int, int]],
+        transposed: set[str],
+        model_layers: set[str],
+    ) -> None:
+        self.source, self.shapes = source, shapes
+        n, m = source.config.n, source.config.m
+        self._reference: ReferenceMasks | None = None
+        self._packed: dict[str, torch.Tensor] = {}
+        if source.reference:
+            self._reference = ReferenceMasks(source.path, shapes, n, m, transposed, model_layers)
+            self.summary: dict[str, Any] = dict(_REFERENCE_SUMMARY)
+        else:
+            self._packed, self.summary = open_packed_masks(source.path / MASKS_NAME, shapes, n, m)
+
+    def indices(self, name: str) -> torch.Tensor:
+        """Candidate indices (int64, one per group of ``m`` inputs) of layer ``name``, verified."""
+        cfg = self.source.config
+        if self._reference is not None:
+            return self._reference.indices(name)
+        path = self.source.path / MASKS_NAME
+        return unpack_layer(path, name, self._packed[name], self.shapes[name], cfg.n, cfg.m)
+
+    def close(self) -> None:
+        """Release the file."""
+        if self._reference is not None:
+            self._reference.close()
+
+    def __enter__(self) -> LayerMasks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_config(folder: Path) -> MaskConfig:
     """The saved ``MaskConfig`` of a mask folder, checked for values that cannot be loaded."""
     config = load_mask_config(folder)
@@ -301,7 +411,7 @@ def read_reference_mask(
     indices = read_reference_indices(path, shapes, config.n, config.m, transposed, model_layers)
     num_candidates = math.comb(config.m, config.n)
     packed = {name: pack_indices(idx, num_candidates) for name, idx in indices.items()}
-    summary = {"source": f"MaskLLM reference {REFERENCE_NAME}"}
+    summary = dict(_REFERENCE_SUMMARY)
     return SavedMask(path, config, dict(shapes), packed, indices, summary, None)
 
 

@@ -30,10 +30,13 @@ from .linear import SparseLinear, sparse_layer_names
 __all__ = [
     "bind_save_pretrained",
     "check_modules",
+    "compressed_config",
     "find_nm_modules",
     "save_compressed",
     "unbind_save_pretrained",
     "write_checkpoint_file",
+    "write_index",
+    "write_model_card",
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -100,9 +103,8 @@ def _human(nbytes: int) -> str:
 
 
 def _model_card(
-    model: nn.Module, n: int, m: int, modules: list[str], sizes: dict[str, int], extra: dict | None
+    base: str, model_class: str, n: int, m: int, modules: list[str], sizes: dict[str, int], extra: dict | None
 ) -> str:
-    base = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     extra = dict(extra or {})
     base = str(extra.pop("base_model", base))
     lines = ["---", "library_name: transformers", "tags:", "- hf_maskllm", "- sparsity", f"- {n}:{m}"]
@@ -110,7 +112,7 @@ def _model_card(
         lines.append(f"base_model: {base}")
     lines += ["---", "", f"# {n}:{m} sparse model (hf_maskllm)", ""]
     lines.append(
-        f"{len(modules)} linear layers of `{base or type(model).__name__}` are {n}:{m} sparse and stored compressed "
+        f"{len(modules)} linear layers of `{base or model_class}` are {n}:{m} sparse and stored compressed "
         f"(format version {FORMAT_VERSION}: kept values + packed positions). Load it with:"
     )
     lines += [
@@ -160,10 +162,13 @@ def _write_shards(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_s
     for filename, names in split.filename_to_tensors.items():
         write_checkpoint_file({k: state_dict[k] for k in names}, folder / filename)
     if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n"
-        )
+        write_index(folder, split.tensor_to_filename, dict(split.metadata))
+
+
+def write_index(folder: Path, weight_map: dict[str, str], metadata: dict[str, Any]) -> None:
+    """Write ``model.safetensors.index.json`` (transformers' index of a sharded checkpoint) into ``folder``."""
+    index = {"metadata": metadata, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def save_compressed(
@@ -271,15 +276,34 @@ def _save_compressed_files(
     _write_shards(state_dict, tmp, max_shard_size)
     del state_dict
 
-    config = json.loads(model.config.to_json_string())
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
     float_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    if float_dtypes:
-        config["dtype"] = str(float_dtypes[0]).removeprefix("torch.")
-    config["transformers_weights"] = (
-        LOAD_MARKER  # makes plain transformers refuse this folder, see quantizer.py
+    config = compressed_config(
+        json.loads(model.config.to_json_string()),
+        type(model).__name__,
+        float_dtypes[0] if float_dtypes else None,
+        n,
+        m,
+        modules,
     )
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(tmp)
+    base = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    write_model_card(tmp, base, type(model).__name__, n, m, modules, sizes, model_card)
+
+
+def compressed_config(
+    config: dict[str, Any], architecture: str, dtype: torch.dtype | None, n: int, m: int, modules: list[str]
+) -> dict[str, Any]:
+    """``config.json`` of a compressed checkpoint: the model's config (a dict) with its ``quantization_config``
+    and the guard that makes plain transformers refuse the folder (see ``quantizer.py``)."""
+    config = dict(config)
+    config.pop("quantization_config", None)
+    config["architectures"] = [architecture]
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    config["transformers_weights"] = LOAD_MARKER
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -288,12 +312,24 @@ def _save_compressed_files(
         "modules": list(modules),
         "hf_maskllm_version": __version__,
     }
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
-        generation_config.save_pretrained(tmp)
-    card = _model_card(model, n, m, modules, sizes, model_card)
-    (tmp / "README.md").write_text(card, encoding="utf-8")
+    return config
+
+
+def write_model_card(
+    folder: Path,
+    base: str,
+    model_class: str,
+    n: int,
+    m: int,
+    modules: list[str],
+    sizes: dict[str, int],
+    extra: dict | None = None,
+) -> None:
+    """Write the compressed checkpoint's ``README.md``; ``sizes``: bytes of the masked weights ``dense`` and
+    ``compressed``, and of every tensor in the folder (``total``)."""
+    (folder / "README.md").write_text(
+        _model_card(base, model_class, n, m, modules, sizes, extra), encoding="utf-8"
+    )
 
 
 _IGNORED = ("safe_serialization", "is_main_process", "state_dict", "token", "save_original_format")

@@ -1,0 +1,258 @@
+"""Merging a saved mask into a dense checkpoint on disk, streaming: ``merge_checkpoint``.
+
+``MaskModel.from_pretrained(model, mask).save_pretrained(folder, merged=True)`` needs the whole model in
+memory, plus the mask's logits and the compressed tensors beside it. ``merge_checkpoint`` never builds the
+model: it reads the dense checkpoint's safetensors shards one at a time, applies the mask to each masked
+weight in them (decoded one layer at a time), compresses it, and writes one output shard per input
+shard. Its memory is about one input shard plus its output, whatever the model's size. The folder it
+writes is the same compressed checkpoint, tensor for tensor (the sharding may differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import CheckpointError, MaskFileError, TargetError
+from ..modules import dense_weight_view, is_conv1d
+from ..patterns import indices_to_mask
+from ..serialization import atomic_folder, resolve_folder
+from ..sparse.checkpoint import compressed_config, write_checkpoint_file, write_index, write_model_card
+from ..sparse.format import compress
+from .card import merged_card_fields
+from .config import MaskConfig
+from .save_and_load import LayerMasks, resolve_mask_source
+from .targets import find_targets
+
+__all__ = ["merge_checkpoint"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# Files of the base folder copied unchanged: the generation config and the tokenizer's files.
+_COPIED = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def merge_checkpoint(
+    model_name_or_path: str | os.PathLike,
+    mask: str | os.PathLike,
+    save_directory: str | os.PathLike,
+    config: MaskConfig | None = None,
+    revision: str | None = None,
+    mask_revision: str | None = None,
+    mask_subfolder: str | None = None,
+    progress: bool = True,
+) -> list[str]:
+    """Apply a saved mask to a dense safetensors checkpoint and write the compressed N:M checkpoint.
+
+    ``model_name_or_path``: a folder or Hub repo id holding ``config.json`` and ``model.safetensors``
+    (or shards with ``model.safetensors.index.json``); ``mask``: a saved mask (hf_maskllm folder, the
+    MaskLLM reference's ``mask_compressed.npz``, or a Hub repo of either; ``config`` as for
+    :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype. The tokenizer's files
+    and ``generation_config.json`` are copied. The folder is built beside ``save_directory`` and swapped
+    in at once. ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads it after
+    ``import hf_maskllm``. Returns the names of the compressed layers.
+    """
+    base = _base_folder(model_name_or_path, revision)
+    shards = _shards(base)
+    skeleton = _skeleton(base)
+    source = resolve_mask_source(mask, mask_revision, mask_subfolder, config, str(model_name_or_path))
+    cfg = source.config
+    try:
+        targets = find_targets(
+            skeleton, cfg.target_modules, cfg.exclude_modules, cfg.m, strict=source.reference and cfg.strict
+        )
+    except TargetError as e:
+        raise MaskFileError(
+            f"mask {source.path}: its target_modules / exclude_modules select no layer of this "
+            f"{type(skeleton).__name__} ({e}) The mask belongs to another model."
+        ) from e
+    layers = {name: skeleton.get_submodule(name) for name in targets}
+    shapes = {name: tuple(dense_weight_view(layer).shape) for name, layer in layers.items()}
+    transposed = {name for name, layer in layers.items() if is_conv1d(layer)}
+    weights = {f"{name}.weight": name for name in targets}
+    _check_weights(
+        base, shards, weights, {f"{name}.weight": tuple(layers[name].weight.shape) for name in targets}
+    )
+    target = Path(save_directory).expanduser().resolve()
+    if target == base.resolve():
+        raise CheckpointError(f"save_directory {target} is the dense checkpoint's folder; pick another one.")
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a folder; pick another save_directory.")
+    model_layers = {name for name, _ in skeleton.named_modules()}
+    sizes = {"dense": 0, "compressed": 0, "total": 0}
+    dtypes: list[torch.dtype] = []
+
+    def stale(name: str) -> bool:  # weight files of an earlier save that this one does not rewrite
+        return name.startswith("model") and ".safetensors" in name
+
+    with (
+        LayerMasks(source, shapes, transposed, model_layers) as masks,
+        atomic_folder(target, drop=stale, last="config.json") as tmp,
+    ):
+        weight_map: dict[str, str] = {}
+        bar = tqdm(total=len(targets), desc=f"merge {cfg.n}:{cfg.m} mask", unit="layer", disable=not progress)
+        for i, shard in enumerate(shards):
+            name = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = _merge_shard(base / shard, weights, masks, shapes, transposed, cfg.n, cfg.m, sizes, bar)
+            dtypes += [t.dtype for t in tensors.values() if t.is_floating_point()][:1]
+            sizes["total"] += sum(t.numel() * t.element_size() for t in tensors.values())
+            write_checkpoint_file(tensors, tmp / name)
+            weight_map.update(dict.fromkeys(tensors, name))
+            del tensors
+        bar.close()
+        if len(shards) > 1:
+            write_index(tmp, weight_map, {"total_size": sizes["total"]})
+        config_dict = json.loads((base / "config.json").read_text(encoding="utf-8"))
+        merged = compressed_config(
+            config_dict, type(skeleton).__name__, dtypes[0] if dtypes else None, cfg.n, cfg.m, targets
+        )
+        (tmp / "config.json").write_text(
+            json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
+        for file in _COPIED:
+            if (base / file).is_file():
+                shutil.copyfile(base / file, tmp / file)
+        card = merged_card_fields(cfg, masks.summary)
+        write_model_card(tmp, str(model_name_or_path), type(skeleton).__name__, cfg.n, cfg.m,
+                         targets, sizes, card)  # fmt: skip
+    return targets
+
+
+def _merge_shard(
+    path: Path,
+    weights: dict[str, str],
+    masks: LayerMasks,
+    shapes: dict[str, tuple[int, int]],
+    transposed: set[str],
+    n: int,
+    m: int,
+    sizes: dict[str, int],
+    bar: tqdm,
+) -> dict[str, torch.Tensor]:
+    """The tensors of one output shard: the input shard's, each masked weight replaced by its compressed pair."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+            tensor = f.get_tensor(key)
+            name = weights.get(key)
+            if name is None:
+                out[key] = tensor
+                continue
+            weight = tensor.t() if name in transposed else tensor  # [out, in]
+            mask = indices_to_mask(masks.indices(name), n, m, shapes[name])
+            merged = weight * mask.to(weight.dtype)
+            del tensor, weight, mask
+            if not bool(torch.isfinite(merged).all()):
+                raise CheckpointError(
+                    f"{path}: {key} holds NaN or inf weights where the mask keeps them; refusing to write a "
+                    "checkpoint that cannot load. Check the dense checkpoint."
+                )
+            values, meta = compress(merged, n, m)
+            sizes["dense"] += merged.numel() * merged.element_size()
+            sizes["compressed"] += values.numel() * values.element_size() + meta.numel()
+            out[f"{name}.values"], out[f"{name}.meta"] = values, meta
+            del merged
+            bar.update(1)
+    return out
+
+
+def _base_folder(model_name_or_path: str | os.PathLike, revision: str | None) -> Path:
+    """The local folder of the dense checkpoint (a folder, or the Hub files the merge reads)."""
+    wanted = ["*.safetensors", _INDEX, *_COPIED]
+    return resolve_folder(
+        model_name_or_path, ["config.json"], wanted, CheckpointError, "dense checkpoint", revision
+    )
+
+
+def _shards(folder: Path) -> list[str]:
+    """The weight files of the dense checkpoint in ``folder``, in the index's order."""
+    if (folder / _INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / _INDEX).read_text(encoding="utf-8"))["weight_map"]
+            shards = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{folder / _INDEX} is not a valid safetensors index ({e}); download it again."
+            ) from None
+        missing = [s for s in shards if not (folder / s).is_file() or "/" in s or s.startswith(".")]
+        if missing:
+            raise CheckpointError(
+                f"{folder / _INDEX} names shards that are not in the folder: {missing[:3]}."
+            )
+        return shards
+    if (folder / _SINGLE).is_file():
+        return [_SINGLE]
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickled:
+        raise CheckpointError(
+            f"{folder} holds PyTorch pickle weights ({pickled[:2]}), no safetensors; hf_maskllm never unpickles a "
+            "file it is given. Convert the checkpoint to safetensors (load it with transformers where you trust "
+            "it, then save_pretrained), or load the model and use MaskModel.from_pretrained."
+        )
+    raise CheckpointError(f"{folder} holds no {_SINGLE} or {_INDEX}; is it a transformers checkpoint?")
+
+
+def _skeleton(folder: Path) -> torch.nn.Module:
+    """The model of ``folder/config.json`` on the meta device: its layer names, types and shapes, no weights."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, architecture, None) if architecture else None
+    with torch.device("meta"):
+        try:
+            return cls(config) if cls is not None else AutoModelForCausalLM.from_config(config)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{folder / 'config.json'} names architecture {architecture!r}, which transformers does not "
+                f"provide ({e}); load the model yourself and use MaskModel.from_pretrained."
+            ) from None
+
+
+def _check_weights(
+    folder: Path, shards: list[str], weights: dict[str, str], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Refuse before writing anything when a masked layer's weight is missing from the checkpoint or has
+    another shape than the config gives."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[int, ...]] = {}
+    for shard in shards:
+        with safe_open(str(folder / shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                if key in weights:
+                    found[key] = tuple(f.get_slice(key).get_shape())
+    missing = [key for key in weights if key not in found]
+    if missing:
+        raise CheckpointError(
+            f"{folder} stores no tensor {missing[0]!r} ({len(missing)} masked weights missing): its tensors are "
+            "named otherwise than the model's parameters (transformers renames some on load). Load the model "
+            "and use MaskModel.from_pretrained(model, mask).save_pretrained(folder, merged=True)."
+        )
+    wrong = [key for key in weights if found[key] != shapes[key]]
+    if wrong:
+        key = wrong[0]
+        raise CheckpointError(
+            f"{folder}: {key} has shape {list(found[key])}, but config.json gives {list(shapes[key])}; the "
+            "checkpoint is corrupt or its config belongs to another model."
+        )
