@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .adapters.config import MaskConfig
 from .zero_shot import PAPER_TASKS
 
 __all__ = ["main"]
@@ -44,6 +45,30 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument("--steps", type=int, default=40, help="optimizer steps of mask learning")
     learn.add_argument(
         "--lr", type=float, default=5e-4, help="peak learning rate of the logits (the reference value)"
+    )
+    learn.add_argument(
+        "--lm-weight",
+        type=float,
+        default=MaskConfig.lm_weight,
+        help="weight of the language-model loss (the paper's objective)",
+    )
+    learn.add_argument(
+        "--distill-logits",
+        type=float,
+        default=MaskConfig.distill_logits,
+        help="weight of the KL to the unmasked model's next-token distribution (0: off)",
+    )
+    learn.add_argument(
+        "--distill-temperature",
+        type=float,
+        default=MaskConfig.distill_temperature,
+        help="temperature of that KL",
+    )
+    learn.add_argument(
+        "--distill-hidden",
+        type=float,
+        default=MaskConfig.distill_hidden,
+        help="weight of the normalised MSE to the unmasked model's hidden states after every block (0: off)",
     )
     learn.add_argument("--batch-size", type=int, default=2)
     learn.add_argument("--grad-accum", type=int, default=1)
@@ -190,6 +215,10 @@ def learn(args: argparse.Namespace) -> dict:
         prior=prior,
         calibration_samples=args.calib_samples,
         calibration_seqlen=args.calib_seqlen,
+        lm_weight=args.lm_weight,
+        distill_logits=args.distill_logits,
+        distill_temperature=args.distill_temperature,
+        distill_hidden=args.distill_hidden,
         seed=args.seed,
     )
     t0 = time.perf_counter()

@@ -11,11 +11,11 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_grad_accumulation import ddp_relative_error  # noqa: E402
 
 
-def main(out: str) -> None:
+def main(out: str, objective: str) -> None:
     torch.distributed.init_process_group("gloo")
     try:
         torch.set_num_threads(1)
-        rel, dtype = ddp_relative_error()
+        rel, dtype = ddp_relative_error(objective)
         if torch.distributed.get_rank() == 0:
             with open(out, "w") as f:
                 json.dump({"rel": rel, "dtype": dtype}, f)
@@ -24,4 +24,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from hf_maskllm import MaskConfig, MaskModel, check_nm
+from hf_maskllm.adapters.config import ADDED_FIELDS
 from hf_maskllm.sparse import SparseLinear
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format_v1"
@@ -119,7 +120,7 @@ def _logits(mask_model: MaskModel) -> dict[str, torch.Tensor]:
 
 def _assert_same_mask_files(written: Path, fixture: Path) -> None:
     """A re-save writes the fixture's tensors and metadata again (file bytes differ: safetensors orders
-    the metadata keys at random), and the same config apart from the library version."""
+    the metadata keys at random), and the same config apart from the library version and the fields added since (at their defaults)."""
     for file in MASK_FILES:
         assert (written / file).is_file() == (fixture / file).is_file(), file
         if (fixture / file).is_file():
@@ -128,6 +129,8 @@ def _assert_same_mask_files(written: Path, fixture: Path) -> None:
             assert list(t1) == list(t2) and all(torch.equal(t1[k], t2[k]) for k in t1), file
     c1, c2 = (json.loads((f / "mask_config.json").read_text()) for f in (written, fixture))
     c1.pop("hf_maskllm_version"), c2.pop("hf_maskllm_version")
+    default = MaskConfig().to_dict()
+    assert {name: c1.pop(name) for name in ADDED_FIELDS} == {name: default[name] for name in ADDED_FIELDS}
     assert c1 == c2
 
 
@@ -143,6 +146,16 @@ def test_fixture_files_are_the_committed_ones():
         )
 
 
+def _v1_fields(config: MaskConfig) -> dict:
+    """The config's fields that files of the fixtures' time hold; the fields added since (``ADDED_FIELDS``)
+    must read as their defaults, the recipe those masks were learned with."""
+    d = config.to_dict()
+    default = MaskConfig().to_dict()
+    for name in ADDED_FIELDS:
+        assert d.pop(name) == default[name], name
+    return d
+
+
 # ------------------------------------------------------------------------------------------- masks
 def test_single_mask_loads_exactly():
     """2:4, default config, bf16 logits saved with the mask: masks and logits restored bit for bit."""
@@ -155,8 +168,8 @@ def test_single_mask_loads_exactly():
     for name, logits in _logits(mm).items():
         assert logits.dtype == torch.bfloat16
         assert torch.equal(logits, expected[f"logits.{name}"]), name
-    assert mm.mask_config.to_dict() == meta["config"]
-    assert MaskConfig.from_pretrained(folder).to_dict() == meta["config"]
+    assert _v1_fields(mm.mask_config) == meta["config"]
+    assert _v1_fields(MaskConfig.from_pretrained(folder)) == meta["config"]
     assert mm.training_summary == meta["summary"]
     check_nm(mm.merge_and_unload(), n=2, m=4)
 
@@ -186,7 +199,7 @@ def test_named_masks_load_exactly():
     mm = _load_named(folder)
     assert mm.list_masks() == meta["masks"] == ["default", "code"] and mm.active_mask == "default"
     assert list(mm.masked_layers()) == meta["layers"]
-    assert {name: cfg.to_dict() for name, cfg in mm.mask_configs.items()} == meta["configs"]
+    assert {name: _v1_fields(cfg) for name, cfg in mm.mask_configs.items()} == meta["configs"]
     _assert_masks(mm, expected, "default.mask.", meta["layers"])
     # "code" is held packed (loaded with is_trainable=False): its hard masks are decoded from the file's.
     _assert_masks(mm, expected, "code.mask.", meta["layers"], mask_name="code")
@@ -218,7 +231,7 @@ def test_named_masks_resave_round_trip(tmp_path):
     again = _load_named(tmp_path)
     _assert_masks(again, expected, "default.mask.", meta["layers"])
     _assert_masks(again, expected, "code.mask.", meta["layers"], mask_name="code")
-    assert {name: cfg.to_dict() for name, cfg in again.mask_configs.items()} == meta["configs"]
+    assert {name: _v1_fields(cfg) for name, cfg in again.mask_configs.items()} == meta["configs"]
 
 
 def test_gpt2_4of8_mask_loads_exactly(tmp_path):
@@ -228,7 +241,7 @@ def test_gpt2_4of8_mask_loads_exactly(tmp_path):
     mm = MaskModel.from_pretrained(gpt2(), folder)
     assert list(mm.masked_layers()) == meta["layers"]
     _assert_masks(mm, expected, "mask.", meta["layers"])
-    assert mm.mask_config.to_dict() == meta["config"]
+    assert _v1_fields(mm.mask_config) == meta["config"]
     assert mm.training_summary == meta["summary"]
     for name, logits in _logits(mm).items():
         assert str(logits.dtype) == meta["logits_dtype"], name

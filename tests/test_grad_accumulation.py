@@ -26,9 +26,14 @@ def _micro_batches(rank: int) -> list[torch.Tensor]:
     return [torch.randint(3, 128, (2, 16), generator=gen) for _ in range(MICRO)]
 
 
-def _pair():
+# The paper's objective, and one that distils the unmasked model (its terms ride in the same loss).
+OBJECTIVES = {"lm": {}, "distill": {"lm_weight": 0.5, "distill_logits": 1.0, "distill_hidden": 1.0}}
+
+
+def _pair(objective: str = "lm"):
     """A bf16-logit MaskModel in training mode and a float32-logit copy holding the same logit values."""
-    bf16 = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude")).train()
+    config = MaskConfig(prior="magnitude", **OBJECTIVES[objective])
+    bf16 = get_mask_model(tiny_llama(), config).train()
     fp32 = copy.deepcopy(bf16)
     for layer in fp32.masked_layers().values():
         layer.mask_logits.data = layer.mask_logits.data.float()
@@ -72,8 +77,9 @@ def _check(accumulated, exact, magnitude, terms: int) -> float:
     return (num / den) ** 0.5
 
 
-def test_micro_batch_accumulation_matches_a_float64_sum():
-    bf16, fp32 = _pair()
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_micro_batch_accumulation_matches_a_float64_sum(objective):
+    bf16, fp32 = _pair(objective)
     accumulated, exact, magnitude = _accumulate(bf16, fp32, _micro_batches(0), seed0=0)
     assert all(g.dtype == torch.bfloat16 for g in accumulated.values())
     rel = _check(accumulated, exact, magnitude, MICRO)
@@ -84,11 +90,11 @@ def test_micro_batch_accumulation_matches_a_float64_sum():
         _check(broken, exact, magnitude, MICRO)
 
 
-def ddp_relative_error() -> tuple[float, str]:
+def ddp_relative_error(objective: str = "lm") -> tuple[float, str]:
     """Under torchrun (2 ranks, gloo): accumulate over MICRO micro-batches per rank, all-reduce as DDP does;
     returns (relative L2 error vs the float64 reference, gradient dtype), checking the elementwise bound."""
     rank = torch.distributed.get_rank()
-    bf16, fp32 = _pair()
+    bf16, fp32 = _pair(objective)
     ddp = torch.nn.parallel.DistributedDataParallel(bf16, find_unused_parameters=False)
     accumulated, exact, magnitude = _accumulate(bf16, fp32, _micro_batches(rank), seed0=1000 * rank, ddp=ddp)
     for k in exact:  # DDP averages over ranks: so does the reference
@@ -99,7 +105,8 @@ def ddp_relative_error() -> tuple[float, str]:
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_accumulation_matches_a_float64_sum(tmp_path):
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_ddp_two_ranks_accumulation_matches_a_float64_sum(tmp_path, objective):
     import json
     import subprocess
     import sys
@@ -109,7 +116,7 @@ def test_ddp_two_ranks_accumulation_matches_a_float64_sum(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     result = subprocess.run(
-        [*cmd, str(here / "ddp_grad_accumulation.py"), str(tmp_path / "out.json")],
+        [*cmd, str(here / "ddp_grad_accumulation.py"), str(tmp_path / "out.json"), objective],
         env=env,
         capture_output=True,
         text=True,

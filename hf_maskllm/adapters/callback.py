@@ -236,7 +236,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         # DDP averages. The regulariser rides in that loss, so undo both to keep its weight per update fixed.
         processes = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
         mask_model.schedule.update(
-            reg_divisor=max(1, int(args.gradient_accumulation_steps)) * max(1, processes), last_reg_loss=None
+            reg_divisor=max(1, int(args.gradient_accumulation_steps)) * max(1, processes),
+            last_reg_loss=None,
+            last_objective_terms=None,
         )
         self._apply(mask_model, state.global_step, state.max_steps)
         self._previous, self._held_peak = {}, 0
@@ -390,11 +392,14 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         if self.last_max_prob is not None:
             extra["mask_max_prob"] = self.last_max_prob
         model = kwargs.get("model")
-        term = find_mask_model(model).schedule.last_reg_loss if model is not None else None
-        if term is not None and "loss" in logs:
-            # The regulariser's value (last micro-batch); its gradient trains the logits, while `loss`
-            # stays the language-model loss that runs can be compared by.
-            extra["sparse_reg_loss"] = float(term)
+        schedule = find_mask_model(model).schedule if model is not None else None
+        if schedule is not None and "loss" in logs:
+            # The regulariser's and the distillation terms' values (last micro-batch); their gradients
+            # train the logits, while `loss` stays the language-model loss that runs can be compared by.
+            if schedule.last_reg_loss is not None:
+                extra["sparse_reg_loss"] = float(schedule.last_reg_loss)
+            for name, term in (schedule.last_objective_terms or {}).items():
+                extra[f"{name}_loss"] = float(term)
         logs.update(extra)
         # Trainer appended its record to log_history before calling callbacks: keep them consistent.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

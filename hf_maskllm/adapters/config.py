@@ -21,6 +21,9 @@ __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MaskConfig"]
 CONFIG_NAME = "mask_config.json"
 FORMAT_VERSION = 1
 SCHEDULES = ("linear", "cosine", "exponential")
+# Fields added after files of format version 1 were first written: a saved config without them gets the
+# default, which is what such a mask was learned with.
+ADDED_FIELDS = ("lm_weight", "distill_logits", "distill_temperature", "distill_hidden")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,6 +57,14 @@ class MaskConfig:
         logits_dtype: ``"bfloat16"`` (default: 3 bytes per masked weight; train it with
             :class:`~hf_maskllm.MaskAdamW`, whose stochastic rounding keeps small updates),
             ``"float32"`` (the reference) or ``"float16"``.
+        lm_weight: Weight of the language-model loss in the training objective (1.0: the paper's
+            objective, alone unless a distillation weight is set).
+        distill_logits: Weight of distillation from the unmasked model's next-token distribution: the KL
+            divergence at ``distill_temperature`` (times its square), per predicted token.
+        distill_temperature: Temperature of that distribution (teacher and student alike).
+        distill_hidden: Weight of distillation from the unmasked model's hidden states after every decoder
+            block: the squared error relative to the teacher's squared norm, per token, averaged over
+            blocks. The unmasked model is the same weights run without masks (no second copy).
         seed: Seed of the logit initialisation.
         strict: Raise (instead of warn and skip) when a target's input size is not divisible by ``m``.
         base_model_name_or_path: Filled in by ``get_mask_model``; recorded in saved masks.
@@ -90,6 +101,14 @@ class MaskConfig:
     init_std: float = field(default=0.01, metadata={"help": "Std of the logits' normal init."})
     logits_dtype: str = field(
         default="bfloat16", metadata={"help": "bfloat16 (train with MaskAdamW) | float32 | float16"}
+    )
+    lm_weight: float = field(default=1.0, metadata={"help": "Weight of the language-model loss."})
+    distill_logits: float = field(
+        default=0.0, metadata={"help": "Weight of the KL to the unmasked model's next-token distribution."}
+    )
+    distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of that KL."})
+    distill_hidden: float = field(
+        default=0.0, metadata={"help": "Weight of the normalised MSE to the unmasked model's hidden states."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the logit initialisation."})
     strict: bool = field(default=False, metadata={"help": "Error instead of skip for non-divisible layers."})
@@ -143,6 +162,19 @@ class MaskConfig:
             value = getattr(self, name)
             if not _is_number(value) or not (value >= low) or value == float("inf"):
                 raise ConfigError(f"`{name}` must be a finite number >= {low}, got {value!r}.")
+        for name in ("lm_weight", "distill_logits", "distill_hidden"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (value >= 0) or value == float("inf"):
+                raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+        if not (self.lm_weight > 0 or self.distill_logits > 0 or self.distill_hidden > 0):
+            raise ConfigError(
+                "lm_weight, distill_logits and distill_hidden are all 0: the masks would learn nothing. Give at "
+                "least one a positive weight (lm_weight=1.0 is the paper's objective)."
+            )
+        if not _is_number(self.distill_temperature) or not (0 < self.distill_temperature < float("inf")):
+            raise ConfigError(
+                f"`distill_temperature` must be a finite number > 0, got {self.distill_temperature!r}."
+            )
         if not _is_number(self.init_std) or not (0 < self.init_std < float("inf")):
             raise ConfigError(f"`init_std` must be a finite number > 0, got {self.init_std!r}.")
         for name in ("calibration_samples", "calibration_seqlen"):
@@ -159,6 +191,11 @@ class MaskConfig:
             raise ConfigError(
                 f"`base_model_name_or_path` must be a string or None, got {self.base_model_name_or_path!r}."
             )
+
+    @property
+    def distills(self) -> bool:
+        """Whether the objective distils the unmasked model (``distill_logits`` or ``distill_hidden`` > 0)."""
+        return self.distill_logits > 0 or self.distill_hidden > 0
 
     @property
     def num_candidates(self) -> int:
@@ -211,7 +248,7 @@ class MaskConfig:
         if unknown:
             raise ConfigError(f"Unknown MaskConfig field(s) {unknown}; valid fields are {sorted(names)}.")
         if require_all:
-            missing = sorted(names - set(data))
+            missing = sorted(names - set(data) - set(ADDED_FIELDS))
             if missing:
                 raise ConfigError(
                     f"MaskConfig is missing field(s) {missing}; the file is incomplete, save it again."

@@ -27,6 +27,7 @@ from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
+from .objective import apply_objective, teacher_pass
 from .prior_init import apply_prior_rule
 from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks
 from .schedule import MaskSchedule
@@ -144,11 +145,32 @@ class MaskModel(NamedMasksMixin, nn.Module):
                     "does), or call set_schedule_values(tau, kappa) in a custom training loop.",
                     stacklevel=2,
                 )
-        if not track:
+        config = self.mask_config
+        objective = self.training and torch.is_grad_enabled() and (config.lm_weight != 1.0 or config.distills)
+        if not track and not objective:
             return self.base_model(*args, **kwargs)
         scaled_for_accumulation = kwargs.get("num_items_in_batch") is not None
+        teacher = None
+        if objective:
+            if kwargs.get("labels") is None:
+                raise ConfigError(
+                    "This mask trains on an objective other than the language-model loss alone (lm_weight, "
+                    "distill_logits, distill_hidden), which needs `labels` in the batch; pass labels (a causal LM "
+                    "collator does)."
+                )
+            if config.distill_hidden > 0:
+                kwargs = {**kwargs, "output_hidden_states": True}
+            if config.distills:
+                teacher = teacher_pass(self.base_model, self.disable_masks(), args, kwargs)
         with collect_regulariser() as regs:
             outputs = self.base_model(*args, **kwargs)
+        if objective and getattr(outputs, "loss", None) is not None:
+            terms = apply_objective(
+                config, outputs, teacher, kwargs["labels"], kwargs.get("num_items_in_batch")
+            )
+            schedule.last_objective_terms = terms  # logged by MaskAnnealCallback
+        if not track:
+            return outputs
         if regs and getattr(outputs, "loss", None) is not None:
             trainable = any(layer.mask_logits.requires_grad for layer in self.masked_layers().values())
             if torch.is_grad_enabled() and trainable and any(not r.requires_grad for r in regs):

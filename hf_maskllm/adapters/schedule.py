@@ -57,6 +57,8 @@ class MaskSchedule:
             one warns once).
         last_reg_loss: The regulariser's value (weight included) in the last training forward that
             computed it, detached; what ``MaskAnnealCallback`` logs as ``sparse_reg_loss``.
+        last_objective_terms: The distillation terms (weights included) of the last training forward,
+            detached, by name; ``MaskAnnealCallback`` logs each as ``<name>_loss``.
     """
 
     tau: float = 4.0
@@ -68,6 +70,7 @@ class MaskSchedule:
     recompute_sampling: bool | None = None
     driven: bool = False
     last_reg_loss: torch.Tensor | None = None
+    last_objective_terms: dict[str, torch.Tensor] | None = None
 
     def update(self, **values: Any) -> None:
         """Set several fields at once (unknown names are refused); plain Python values, no tensors."""

@@ -1,0 +1,214 @@
+"""The training objective: distillation from the unmasked model (logits and hidden states), checked against
+a hand computation; the teacher pass reuses the frozen weights and leaves them untouched; the terms are
+divided like the language-model loss, so gradient accumulation sums to the one-batch gradient."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from models import single_thread, tiny_gpt2, tiny_llama  # noqa: F401  (autouse fixture)
+from trainer_helpers import TokenDataset, random_tokens, training_args
+from transformers import Trainer
+
+from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
+from hf_maskllm.adapters.objective import hidden_distillation, logit_distillation, predicted_positions
+from hf_maskllm.errors import ConfigError
+
+
+def _labels(batch: int, seq: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 50, (batch, seq), generator=gen)
+    labels[0, :3] = -100  # a prompt that is not trained on
+    labels[-1, -4:] = -100  # padding
+    return labels
+
+
+def test_logit_distillation_matches_a_hand_computation():
+    gen = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3
+    teacher = torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3
+    labels = _labels(3, 7, 1)
+    T = 2.0
+    total, count = 0.0, 0
+    for b in range(3):
+        for t in range(6):
+            if labels[b, t + 1] == -100:
+                continue
+            p = [math.exp(v / T) for v in teacher[b, t].tolist()]
+            q = [math.exp(v / T) for v in student[b, t].tolist()]
+            p = [v / sum(p) for v in p]
+            q = [v / sum(q) for v in q]
+            total += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+            count += 1
+    valid = predicted_positions(labels)
+    assert int(valid.sum()) == count
+    got = logit_distillation(student, teacher, valid, T)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(T**2 * total / count, rel=1e-5)
+    # with the Trainer's token count of the whole accumulated batch, the sum is divided by it instead
+    assert logit_distillation(student, teacher, valid, T, torch.tensor(40)).item() == pytest.approx(
+        T**2 * total / 40, rel=1e-5
+    )
+    assert logit_distillation(teacher, teacher, valid, T).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_hidden_distillation_matches_a_hand_computation():
+    gen = torch.Generator().manual_seed(2)
+    blocks = 3
+    student = tuple(torch.randn(2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(blocks))
+    teacher = tuple(torch.randn(2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(blocks))
+    labels = _labels(2, 5, 3)
+    valid = predicted_positions(labels)
+    total = 0.0
+    for hs, ht in zip(student, teacher, strict=True):
+        for b in range(2):
+            for t in range(5):
+                if valid[b, t]:
+                    err = sum((x - y) ** 2 for x, y in zip(hs[b, t].tolist(), ht[b, t].tolist(), strict=True))
+                    total += err / sum(y**2 for y in ht[b, t].tolist())
+    count = int(valid.sum())
+    got = hidden_distillation(student, teacher, valid)
+    assert got.item() == pytest.approx(total / blocks / count, rel=1e-5)
+    assert hidden_distillation(student, teacher, valid, 17).item() == pytest.approx(
+        total / blocks / 17, rel=1e-5
+    )
+
+
+DISTILL = {"distill_logits": 0.7, "distill_temperature": 2.0, "distill_hidden": 0.3, "lm_weight": 0.5}
+
+
+def _models(build=tiny_llama, **fields):
+    """A MaskModel training on ``fields``' objective and a copy with the same logits on the LM loss alone."""
+    config = MaskConfig(prior="magnitude", sparse_reg=0.0, logits_dtype="float32", **fields)
+    distilling = get_mask_model(build(), config).train()
+    distilling.set_schedule_values(tau=4.0, kappa=100.0)
+    plain = copy.deepcopy(distilling)
+    plain.mask_config.lm_weight, plain.mask_config.distill_logits, plain.mask_config.distill_hidden = (
+        1.0,
+        0.0,
+        0.0,
+    )
+    return distilling, plain
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build):
+    distilling, plain = _models(build, **DISTILL)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    torch.manual_seed(7)  # the same Gumbel sample in both models
+    out = distilling(input_ids=ids, labels=labels)
+    out.loss.backward()
+
+    # by hand: the dense model without masks (eval mode), the masked model's own outputs
+    with torch.no_grad(), plain.disable_masks():
+        plain.eval()
+        teacher = plain(input_ids=ids, output_hidden_states=True)
+        plain.train()
+    torch.manual_seed(7)
+    student = plain(input_ids=ids, labels=labels, output_hidden_states=True)
+    valid = predicted_positions(labels)
+    kl = logit_distillation(student.logits, teacher.logits, valid, 2.0)
+    mse = hidden_distillation(student.hidden_states[1:], teacher.hidden_states[1:], valid)
+    (0.5 * student.loss + 0.7 * kl + 0.3 * mse).backward()
+
+    assert out.loss.item() == pytest.approx(student.loss.item(), rel=1e-6)  # the logged loss: the LM loss
+    assert out.distill_logits_loss.item() == pytest.approx(0.7 * kl.item(), rel=1e-5)
+    assert out.distill_hidden_loss.item() == pytest.approx(0.3 * mse.item(), rel=1e-5)
+    assert kl.item() > 0 and mse.item() > 0
+    for name, layer in distilling.masked_layers().items():
+        expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
+        torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
+
+
+def test_the_teacher_pass_reuses_the_frozen_weights_and_leaves_them_untouched():
+    distilling, _ = _models(**DISTILL)
+    distilling.base_model.model.norm.eval()  # a user's choice, kept
+    params = {name: (p.data_ptr(), p.requires_grad) for name, p in distilling.named_parameters()}
+    buffers = {name: b.data_ptr() for name, b in distilling.named_buffers()}
+    modes = {name: module.training for name, module in distilling.named_modules()}
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    seen = []
+    hooks = [
+        layer.base_layer.register_forward_hook(lambda mod, args, out: seen.append(mod.weight.data_ptr()))
+        for layer in distilling.masked_layers().values()
+    ]
+    distilling(input_ids=ids, labels=ids).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    base_ptrs = {layer.base_layer.weight.data_ptr() for layer in distilling.masked_layers().values()}
+    assert seen and set(seen) == base_ptrs  # the teacher ran on the model's own weights
+    assert {name: (p.data_ptr(), p.requires_grad) for name, p in distilling.named_parameters()} == params
+    assert {name: b.data_ptr() for name, b in distilling.named_buffers()} == buffers
+    assert {name: module.training for name, module in distilling.named_modules()} == modes
+    for name, p in distilling.base_model.named_parameters():
+        assert p.grad is None or "logits" in name, name
+    assert all(layer.mask_logits.grad is not None for layer in distilling.masked_layers().values())
+
+
+def test_accumulated_micro_batches_give_the_one_batch_gradient():
+    """The Trainer divides every micro-batch's loss by the token count of the whole accumulated batch
+    (``num_items_in_batch``): the distillation terms are divided the same way, so two micro-batches sum to
+    the gradient of the batch they split (with the same Gumbel sample)."""
+    distilling, _ = _models(**DISTILL)
+    twin = copy.deepcopy(distilling)
+    ids = torch.randint(3, 128, (4, 12), generator=torch.Generator().manual_seed(6))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    labels[3, -3:] = -100  # micro-batches with different token counts
+    items = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    torch.manual_seed(8)
+    distilling(input_ids=ids, labels=labels, num_items_in_batch=items).loss.backward()
+    for part in (slice(0, 2), slice(2, 4)):
+        torch.manual_seed(8)
+        twin(input_ids=ids[part], labels=labels[part], num_items_in_batch=items).loss.backward()
+    for name, layer in distilling.masked_layers().items():
+        got = twin.get_submodule(f"base_model.{name}").mask_logits.grad
+        torch.testing.assert_close(got, layer.mask_logits.grad, rtol=1e-4, atol=1e-8)
+
+
+def test_a_trainer_run_logs_the_terms_and_the_language_model_loss(tmp_path):
+    mask_model = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude", distill_logits=1.0))
+    args = training_args(tmp_path, max_steps=2)
+    trainer = Trainer(
+        model=mask_model, args=args, train_dataset=TokenDataset(random_tokens(16, 0)),
+        callbacks=[MaskAnnealCallback()],
+    )  # fmt: skip
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "loss" in row and "train_runtime" not in row]
+    assert logged and all(
+        row["distill_logits_loss"] > 0 and "distill_hidden_loss" not in row for row in logged
+    )
+    assert all(math.isfinite(row["loss"]) for row in logged)
+
+
+def test_the_objective_needs_labels_and_sane_weights():
+    distilling, _ = _models(distill_logits=1.0)
+    with pytest.raises(ConfigError, match="needs `labels`"):
+        distilling(input_ids=torch.randint(3, 128, (1, 8)))
+    with torch.no_grad():  # evaluation runs the masked model alone, with or without labels
+        distilling.eval()
+        assert distilling(input_ids=torch.randint(3, 128, (1, 8))).logits is not None
+    with pytest.raises(ConfigError, match="all 0"):
+        MaskConfig(lm_weight=0.0)
+    with pytest.raises(ConfigError, match="distill_logits"):
+        MaskConfig(distill_logits=-1.0)
+    with pytest.raises(ConfigError, match="distill_temperature"):
+        MaskConfig(distill_temperature=0.0)
+    assert MaskConfig(lm_weight=0.0, distill_hidden=1.0).distills
+
+
+def test_the_command_line_sets_the_objective():
+    from hf_maskllm.cli import _parser
+
+    args = _parser().parse_args(["learn"])
+    default = MaskConfig()
+    assert (args.lm_weight, args.distill_logits, args.distill_temperature, args.distill_hidden) == (
+        default.lm_weight, default.distill_logits, default.distill_temperature, default.distill_hidden,
+    )  # fmt: skip
+    args = _parser().parse_args(["learn", "--distill-logits", "0.1", "--distill-temperature", "2"])
+    assert (args.distill_logits, args.distill_temperature) == (0.1, 2.0)
