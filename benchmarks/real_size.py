@@ -79,7 +79,9 @@ def _compressed_bytes(folder: Path) -> int:
 def step_merge_checkpoint(work: Path, shape: dict) -> dict:
     from hf_maskllm import merge_checkpoint
 
-    merge_checkpoint(work / "dense", work / "mask", work / "compressed", progress=False)
+    merge_checkpoint(
+        work / "dense", work / "mask", work / "compressed", max_shard_size="500MB", progress=False
+    )
     return {"compressed_checkpoint_bytes": _compressed_bytes(work / "compressed")}
 
 

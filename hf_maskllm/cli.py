@@ -114,11 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     merge = sub.add_parser(
         "merge",
         help="apply a saved mask to a dense safetensors checkpoint and write the compressed N:M checkpoint, "
-        "one shard at a time (memory: about one shard, whatever the model's size)",
+        "one tensor at a time (memory: about one output file, whatever the model's size)",
     )
     merge.add_argument("--model", required=True, help="the dense checkpoint: a folder or Hub id")
     merge.add_argument("--mask", required=True, help="a saved mask (folder, repo id or mask_compressed.npz)")
     merge.add_argument("--output", required=True, help="the folder to write")
+    merge.add_argument("--max-shard-size", default="2GB", help="the largest output file (e.g. 500MB, 2GB)")
     merge.add_argument("--n", type=int, default=None, help="N of a mask_compressed.npz (default 2)")
     merge.add_argument("--m", type=int, default=None, help="M of a mask_compressed.npz (default 4)")
     merge.add_argument(
@@ -325,7 +326,11 @@ def merge(args: argparse.Namespace) -> list[str]:
     fields = {"n": args.n, "m": args.m, "exclude_modules": args.exclude_modules}
     given = {key: value for key, value in fields.items() if value is not None}
     names = merge_checkpoint(
-        args.model, args.mask, args.output, config=MaskConfig(**given) if given else None
+        args.model,
+        args.mask,
+        args.output,
+        config=MaskConfig(**given) if given else None,
+        max_shard_size=args.max_shard_size,
     )
     print(f"{len(names)} layers stored compressed in {args.output}")
     return names

@@ -2,10 +2,10 @@
 
 ``MaskModel.from_pretrained(model, mask).save_pretrained(folder, merged=True)`` needs the whole model in
 memory, plus the mask's logits and the compressed tensors beside it. ``merge_checkpoint`` never builds the
-model: it reads the dense checkpoint's safetensors shards one at a time, applies the mask to each masked
-weight in them (decoded one layer at a time), compresses it, and writes one output shard per input
-shard. Its memory is about one input shard plus its output, whatever the model's size. The folder it
-writes is the same compressed checkpoint, tensor for tensor (the sharding may differ).
+model: it reads the dense checkpoint's safetensors files one tensor at a time, applies the mask to each
+masked weight (decoded one layer at a time), compresses it, and writes output files of at most
+``max_shard_size``. It holds about one output file, whatever the model's size. The folder it writes is
+the same compressed checkpoint, tensor for tensor (the sharding may differ).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,6 +58,7 @@ def merge_checkpoint(
     revision: str | None = None,
     mask_revision: str | None = None,
     mask_subfolder: str | None = None,
+    max_shard_size: int | str = "2GB",
     progress: bool = True,
 ) -> list[str]:
     """Apply a saved mask to a dense safetensors checkpoint and write the compressed N:M checkpoint.
@@ -64,7 +66,9 @@ def merge_checkpoint(
     ``model_name_or_path``: a folder or Hub repo id holding ``config.json`` and ``model.safetensors``
     (or shards with ``model.safetensors.index.json``); ``mask``: a saved mask (hf_maskllm folder, the
     MaskLLM reference's ``mask_compressed.npz``, or a Hub repo of either; ``config`` as for
-    :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype. The tokenizer's files
+    :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype; the output files hold at most
+    ``max_shard_size`` bytes each, which with one input tensor at a time bounds the memory the merge
+    needs (about one output file, plus the input file's pages the system keeps cached). The tokenizer's files
     and ``generation_config.json`` are copied. The folder is built beside ``save_directory`` and swapped
     in at once. ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads it after
     ``import hf_maskllm``. Returns the names of the compressed layers.
@@ -97,7 +101,6 @@ def merge_checkpoint(
         raise CheckpointError(f"{target} exists and is not a folder; pick another save_directory.")
     model_layers = {name for name, _ in skeleton.named_modules()}
     sizes = {"dense": 0, "compressed": 0, "total": 0}
-    dtypes: list[torch.dtype] = []
 
     def stale(name: str) -> bool:  # weight files of an earlier save that this one does not rewrite
         return name.startswith("model") and ".safetensors" in name
@@ -106,19 +109,16 @@ def merge_checkpoint(
         LayerMasks(source, shapes, transposed, model_layers) as masks,
         atomic_folder(target, drop=stale, last="config.json") as tmp,
     ):
-        weight_map: dict[str, str] = {}
         bar = tqdm(total=len(targets), desc=f"merge {cfg.n}:{cfg.m} mask", unit="layer", disable=not progress)
-        for i, shard in enumerate(shards):
-            name = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = _merge_shard(base / shard, weights, masks, shapes, transposed, cfg.n, cfg.m, sizes, bar)
-            dtypes += [t.dtype for t in tensors.values() if t.is_floating_point()][:1]
-            sizes["total"] += sum(t.numel() * t.element_size() for t in tensors.values())
-            write_checkpoint_file(tensors, tmp / name)
-            weight_map.update(dict.fromkeys(tensors, name))
-            del tensors
+        tensors = (
+            item
+            for shard in shards
+            for item in _merged_tensors(
+                base / shard, weights, masks, shapes, transposed, cfg.n, cfg.m, sizes, bar
+            )
+        )
+        dtypes = _write_bounded_shards(tensors, tmp, max_shard_size, sizes)
         bar.close()
-        if len(shards) > 1:
-            write_index(tmp, weight_map, {"total_size": sizes["total"]})
         config_dict = json.loads((base / "config.json").read_text(encoding="utf-8"))
         merged = compressed_config(
             config_dict, type(skeleton).__name__, dtypes[0] if dtypes else None, cfg.n, cfg.m, targets
@@ -135,7 +135,7 @@ def merge_checkpoint(
     return targets
 
 
-def _merge_shard(
+def _merged_tensors(
     path: Path,
     weights: dict[str, str],
     masks: LayerMasks,
@@ -145,17 +145,16 @@ def _merge_shard(
     m: int,
     sizes: dict[str, int],
     bar: tqdm,
-) -> dict[str, torch.Tensor]:
-    """The tensors of one output shard: the input shard's, each masked weight replaced by its compressed pair."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one input shard, one at a time, each masked weight replaced by its compressed pair."""
     from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
             tensor = f.get_tensor(key)
             name = weights.get(key)
             if name is None:
-                out[key] = tensor
+                yield key, tensor
                 continue
             weight = tensor.t() if name in transposed else tensor  # [out, in]
             mask = indices_to_mask(masks.indices(name), n, m, shapes[name])
@@ -169,10 +168,58 @@ def _merge_shard(
             values, meta = compress(merged, n, m)
             sizes["dense"] += merged.numel() * merged.element_size()
             sizes["compressed"] += values.numel() * values.element_size() + meta.numel()
-            out[f"{name}.values"], out[f"{name}.meta"] = values, meta
             del merged
             bar.update(1)
-    return out
+            yield f"{name}.values", values
+            yield f"{name}.meta", meta
+
+
+def _write_bounded_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: Path,
+    max_shard_size: int | str,
+    sizes: dict[str, int],
+) -> list[torch.dtype]:
+    """Write ``tensors`` as weight files of at most ``max_shard_size`` bytes each (a larger tensor alone in
+    its file), holding one file's tensors at a time, with the index when there are several; returns the
+    dtype of the first floating tensor (none: an empty list)."""
+    from huggingface_hub.serialization._base import (
+        parse_size_to_int,
+    )  # what split_torch_state_dict_into_shards uses
+
+    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    parts: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    dtypes: list[torch.dtype] = []
+
+    def flush() -> None:
+        write_checkpoint_file(pending, folder / f"part-{len(parts)}.tmp")
+        parts.append(list(pending))
+        pending.clear()
+
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + nbytes > limit:
+            flush()
+            pending_bytes = 0
+        pending[key] = tensor
+        pending_bytes += nbytes
+        sizes["total"] += nbytes
+        if tensor.is_floating_point() and not dtypes:
+            dtypes.append(tensor.dtype)
+    if pending or not parts:
+        flush()
+    if len(parts) == 1:
+        (folder / "part-0.tmp").rename(folder / _SINGLE)
+        return dtypes
+    weight_map = {}
+    for i, keys in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        (folder / f"part-{i}.tmp").rename(folder / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    write_index(folder, weight_map, {"total_size": sizes["total"]})
+    return dtypes
 
 
 def _base_folder(model_name_or_path: str | os.PathLike, revision: str | None) -> Path:

@@ -48,8 +48,10 @@ def _in_memory(dense: Path, mask: Path, out: Path, config: MaskConfig | None = N
 def test_streamed_merge_equals_the_in_memory_merge(tmp_path, build, fmt):
     dense, mask = _setup(tmp_path, build, fmt=fmt)
     assert len(list(dense.glob("*.safetensors"))) > 2  # really sharded
-    names = merge_checkpoint(dense, mask, tmp_path / "streamed", progress=False)
+    names = merge_checkpoint(dense, mask, tmp_path / "streamed", max_shard_size="30KB", progress=False)
     _in_memory(dense, mask, tmp_path / "in_memory")
+    for file in (tmp_path / "streamed").glob("*.safetensors"):  # a file over the limit holds one tensor
+        assert file.stat().st_size <= 30_000 + 2_000 or len(load_file(file)) == 1, file.name
 
     streamed, in_memory = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "in_memory")
     assert set(streamed) == set(in_memory)
