@@ -263,6 +263,10 @@ class MaskConfig:
         from .. import __version__
 
         data = self.to_dict()
+        default = MaskConfig().to_dict()
+        for name in ADDED_FIELDS:  # at their defaults, left out: older hf_maskllm versions read the file
+            if data[name] == default[name]:
+                del data[name]
         data["format_version"] = FORMAT_VERSION
         data["hf_maskllm_version"] = __version__
         save_json(data, Path(save_directory) / CONFIG_NAME)

@@ -4,7 +4,8 @@
 memory, plus the mask's logits and the compressed tensors beside it. ``merge_checkpoint`` never builds the
 model: it reads the dense checkpoint's safetensors files one tensor at a time, applies the mask to each
 masked weight (decoded one layer at a time), compresses it, and writes output files of at most
-``max_shard_size``. It holds about one output file, whatever the model's size. The folder it writes is
+``max_shard_size``. It holds about one output file and the mask's packed bits (0.65 bit per weight for
+2:4), never the model. The folder it writes is
 the same compressed checkpoint, tensor for tensor (the sharding may differ).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError, MaskFileError, TargetError
+from ..errors import CheckpointError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import indices_to_mask
 from ..serialization import atomic_folder, resolve_folder
@@ -27,8 +28,7 @@ from ..sparse.checkpoint import compressed_config, write_checkpoint_file, write_
 from ..sparse.format import compress
 from .card import merged_card_fields
 from .config import MaskConfig
-from .save_and_load import LayerMasks, resolve_mask_source
-from .targets import find_targets
+from .save_and_load import LayerMasks, resolve_mask_source, source_targets
 
 __all__ = ["merge_checkpoint"]
 
@@ -68,7 +68,8 @@ def merge_checkpoint(
     MaskLLM reference's ``mask_compressed.npz``, or a Hub repo of either; ``config`` as for
     :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype; the output files hold at most
     ``max_shard_size`` bytes each, which with one input tensor at a time bounds the memory the merge
-    needs (about one output file, plus the input file's pages the system keeps cached). The tokenizer's files
+    needs (about one output file and the packed mask, plus the input file's pages the system keeps
+    cached). The tokenizer's files
     and ``generation_config.json`` are copied. The folder is built beside ``save_directory`` and swapped
     in at once. ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads it after
     ``import hf_maskllm``. Returns the names of the compressed layers.
@@ -78,15 +79,7 @@ def merge_checkpoint(
     skeleton = _skeleton(base)
     source = resolve_mask_source(mask, mask_revision, mask_subfolder, config, str(model_name_or_path))
     cfg = source.config
-    try:
-        targets = find_targets(
-            skeleton, cfg.target_modules, cfg.exclude_modules, cfg.m, strict=source.reference and cfg.strict
-        )
-    except TargetError as e:
-        raise MaskFileError(
-            f"mask {source.path}: its target_modules / exclude_modules select no layer of this "
-            f"{type(skeleton).__name__} ({e}) The mask belongs to another model."
-        ) from e
+    targets = source_targets(skeleton, source)
     layers = {name: skeleton.get_submodule(name) for name in targets}
     shapes = {name: tuple(dense_weight_view(layer).shape) for name, layer in layers.items()}
     transposed = {name for name, layer in layers.items() if is_conv1d(layer)}
@@ -118,11 +111,10 @@ def merge_checkpoint(
             )
         )
         dtypes = _write_bounded_shards(tensors, tmp, max_shard_size, sizes)
+        first = next((dtypes[k] for k, _ in skeleton.named_parameters() if k in dtypes), None)
         bar.close()
         config_dict = json.loads((base / "config.json").read_text(encoding="utf-8"))
-        merged = compressed_config(
-            config_dict, type(skeleton).__name__, dtypes[0] if dtypes else None, cfg.n, cfg.m, targets
-        )
+        merged = compressed_config(config_dict, type(skeleton).__name__, first, cfg.n, cfg.m, targets)
         (tmp / "config.json").write_text(
             json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
@@ -162,8 +154,8 @@ def _merged_tensors(
             del tensor, weight, mask
             if not bool(torch.isfinite(merged).all()):
                 raise CheckpointError(
-                    f"{path}: {key} holds NaN or inf weights where the mask keeps them; refusing to write a "
-                    "checkpoint that cannot load. Check the dense checkpoint."
+                    f"{path}: {key} holds NaN or inf weights (W * mask keeps them, even at pruned positions); "
+                    "refusing to write a checkpoint that cannot load. Check the dense checkpoint."
                 )
             values, meta = compress(merged, n, m)
             sizes["dense"] += merged.numel() * merged.element_size()
@@ -179,10 +171,10 @@ def _write_bounded_shards(
     folder: Path,
     max_shard_size: int | str,
     sizes: dict[str, int],
-) -> list[torch.dtype]:
+) -> dict[str, torch.dtype]:
     """Write ``tensors`` as weight files of at most ``max_shard_size`` bytes each (a larger tensor alone in
     its file), holding one file's tensors at a time, with the index when there are several; returns the
-    dtype of the first floating tensor (none: an empty list)."""
+    dtype of every floating tensor, by parameter name (a compressed weight's values as ``<layer>.weight``)."""
     from huggingface_hub.serialization._base import (
         parse_size_to_int,
     )  # what split_torch_state_dict_into_shards uses
@@ -191,7 +183,7 @@ def _write_bounded_shards(
     parts: list[list[str]] = []
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
-    dtypes: list[torch.dtype] = []
+    dtypes: dict[str, torch.dtype] = {}
 
     def flush() -> None:
         write_checkpoint_file(pending, folder / f"part-{len(parts)}.tmp")
@@ -206,8 +198,9 @@ def _write_bounded_shards(
         pending[key] = tensor
         pending_bytes += nbytes
         sizes["total"] += nbytes
-        if tensor.is_floating_point() and not dtypes:
-            dtypes.append(tensor.dtype)
+        if tensor.is_floating_point():
+            name = key[: -len(".values")] + ".weight" if key.endswith(".values") else key
+            dtypes[name] = tensor.dtype
     if pending or not parts:
         flush()
     if len(parts) == 1:
@@ -224,7 +217,7 @@ def _write_bounded_shards(
 
 def _base_folder(model_name_or_path: str | os.PathLike, revision: str | None) -> Path:
     """The local folder of the dense checkpoint (a folder, or the Hub files the merge reads)."""
-    wanted = ["*.safetensors", _INDEX, *_COPIED]
+    wanted = ["model*.safetensors", _INDEX, *_COPIED]  # not consolidated.safetensors or subfolders' files
     return resolve_folder(
         model_name_or_path, ["config.json"], wanted, CheckpointError, "dense checkpoint", revision
     )

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
+from ..errors import ConfigError, MaskLLMError
 from .card import merged_card_fields
 from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
-from .objective import apply_objective, teacher_pass
+from .objective import apply_objective, check_causal_lm, teacher_pass
 from .prior_init import apply_prior_rule
-from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks
+from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks, source_targets
 from .schedule import MaskSchedule
 from .targets import find_targets
 from .wrapping import unwrapped, wrap_layers
@@ -146,12 +146,18 @@ class MaskModel(NamedMasksMixin, nn.Module):
                     stacklevel=2,
                 )
         config = self.mask_config
-        objective = self.training and torch.is_grad_enabled() and (config.lm_weight != 1.0 or config.distills)
+        objective = (
+            self.training
+            and torch.is_grad_enabled()
+            and (config.lm_weight != 1.0 or config.distills)
+            and self.mask_info().trainable  # a frozen mask under fine-tuning: the caller's loss, untouched
+        )
         if not track and not objective:
             return self.base_model(*args, **kwargs)
         scaled_for_accumulation = kwargs.get("num_items_in_batch") is not None
         teacher = None
         if objective:
+            check_causal_lm(self.base_model)
             if kwargs.get("labels") is None:
                 raise ConfigError(
                     "This mask trains on an objective other than the language-model loss alone (lm_weight, "
@@ -427,17 +433,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
             getattr(getattr(model, "config", None), "_name_or_path", None),
         )
         source, config = found.path, found.config
-        strict = config.strict if found.reference else False
-        try:
-            targets = find_targets(
-                model, config.target_modules, config.exclude_modules, config.m, strict=strict
-            )
-        except TargetError as e:
-            raise MaskFileError(
-                f"mask {source}: its target_modules / exclude_modules select no layer of this "
-                f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
-                "learned on."
-            ) from e
+        targets = source_targets(model, found)
         mask_model = cls.__new__(cls)
         with mask_model._wrapping(model, config, targets):
             mask_model._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)

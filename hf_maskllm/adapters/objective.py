@@ -16,6 +16,7 @@ accumulation and DDP then sum exactly as for the language-model loss), else by t
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from .config import MaskConfig
 
 __all__ = [
     "apply_objective",
+    "check_causal_lm",
     "hidden_distillation",
     "logit_distillation",
     "objective_terms",
@@ -61,8 +64,8 @@ def logit_distillation(
 ) -> torch.Tensor:
     """``T^2 * KL(teacher || student)`` of the next-token distributions at temperature ``T``, summed over
     ``valid`` positions (``[batch, seq]``) and divided like the language-model loss; float32."""
-    s = student[valid].float() / temperature  # [tokens, vocab]
-    t = teacher[valid].float() / temperature
+    s = student[valid.to(student.device)].float() / temperature  # [tokens, vocab]
+    t = teacher[valid.to(teacher.device)].float().to(s.device) / temperature
     kl = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), reduction="sum", log_target=True)
     return kl * temperature**2 / _divisor(valid, num_items_in_batch)
 
@@ -77,9 +80,11 @@ def hidden_distillation(
     and divided like the language-model loss. ``student`` / ``teacher``: the hidden states after every
     block (``output_hidden_states`` without the embeddings); float32."""
     total = torch.zeros((), dtype=torch.float32, device=valid.device)
-    for hs, ht in zip(student, teacher, strict=True):
-        hs, ht = hs[valid].float(), ht[valid].float()
-        total = total + ((hs - ht).square().sum(-1) / ht.square().sum(-1).clamp_min(1e-12)).sum()
+    for hs, ht in zip(student, teacher, strict=True):  # blocks may sit on several devices
+        where = valid.to(hs.device)
+        hs, ht = hs[where].float(), ht[valid.to(ht.device)].float().to(hs.device)
+        block = ((hs - ht).square().sum(-1) / ht.square().sum(-1).clamp_min(1e-12)).sum()
+        total = total + block.to(total.device)
     return total / len(student) / _divisor(valid, num_items_in_batch)
 
 
@@ -102,8 +107,23 @@ def teacher_pass(
     """The unmasked model's outputs (no autograd, eval mode) for the forward arguments; ``dense`` is the
     context in which ``model`` runs without masks. No loss is computed."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "num_items_in_batch")}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False  # no key-value cache for a single pass
     with dense, _eval_mode(model):
         return model(*args, **kwargs)
+
+
+def check_causal_lm(model: nn.Module) -> None:
+    """Refuse an objective other than the language-model loss for a model that is not a causal LM: the
+    terms compare next-token predictions at the positions whose next label counts."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    if name not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise ConfigError(
+            f"lm_weight / distill_logits / distill_hidden define an objective for causal language models; "
+            f"{name} is not one. Leave them at their defaults (lm_weight=1.0, no distillation)."
+        )
 
 
 def objective_terms(
@@ -131,12 +151,22 @@ def apply_objective(
 ) -> dict[str, torch.Tensor]:
     """Give ``outputs.loss`` the gradient of the whole objective (``lm_weight`` times the language-model
     loss plus the distillation terms) while its value stays the language-model loss, which runs compare
-    by; add each term to ``outputs`` as ``<name>_loss``. Returns the terms, detached."""
+    by. Returns each term per predicted token of this batch (weight included, detached), also added to
+    ``outputs`` as ``<name>_loss``: a value that does not depend on gradient accumulation or the number
+    of processes, as the logged ``loss`` does not."""
     terms = objective_terms(config, outputs, teacher, labels, num_items_in_batch)
     lm = outputs.loss
-    total = config.lm_weight * lm + sum(terms.values())
+    total = config.lm_weight * lm + sum(term.to(lm.device) for term in terms.values())
     outputs.loss = lm.detach() + (total - total.detach())
-    detached = {name: term.detach() for name, term in terms.items()}
-    for name, term in detached.items():
-        outputs[f"{name}_loss"] = term
-    return detached
+    per_token = 1.0
+    if num_items_in_batch is not None:  # the terms were divided by the whole accumulated batch's count
+        count = predicted_positions(labels).sum().clamp_min(1)
+        per_token = (
+            num_items_in_batch.to(count.device) / count
+            if torch.is_tensor(num_items_in_batch)
+            else (num_items_in_batch / count)
+        )
+    logged = {name: (term.detach() * per_token) for name, term in terms.items()}
+    for name, value in logged.items():
+        outputs[f"{name}_loss"] = value
+    return logged

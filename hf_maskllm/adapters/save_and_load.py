@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError, MaskFileError, MaskLLMError
+from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
 from ..modules import is_conv1d
 from ..patterns import candidate_patterns, indices_to_mask
 from ..serialization import atomic_folder, atomic_write, resolve_folder
@@ -46,6 +47,7 @@ from .reference_file import (
     read_reference_indices,
     write_reference_file,
 )
+from .targets import find_targets
 
 if TYPE_CHECKING:
     from .model import MaskModel
@@ -65,6 +67,7 @@ __all__ = [
     "resolve_mask_folder",
     "resolve_mask_source",
     "save_masks",
+    "source_targets",
 ]
 
 
@@ -315,6 +318,26 @@ def resolve_mask_source(
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = base_model_name_or_path or None
     return MaskSource(reference, config, True)
+
+
+def source_targets(model: nn.Module, source: MaskSource) -> list[str]:
+    """The layers of ``model`` that the mask at ``source`` covers (its config's targets), or a
+    :class:`MaskFileError` saying that the mask belongs to another model."""
+    config = source.config
+    try:
+        return find_targets(
+            model,
+            config.target_modules,
+            config.exclude_modules,
+            config.m,
+            strict=source.reference and config.strict,
+        )
+    except TargetError as e:
+        raise MaskFileError(
+            f"mask {source.path}: its target_modules / exclude_modules select no layer of this "
+            f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
+            "learned on."
+        ) from e
 
 
 def reference_config(config: MaskConfig | None) -> MaskConfig:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from models import single_thread, tiny_gpt2, tiny_llama  # noqa: F401  (autouse fixture)
+from models import single_thread, tiny_bert_mlm, tiny_gpt2, tiny_llama  # noqa: F401  (autouse fixture)
 from trainer_helpers import TokenDataset, random_tokens, training_args
 from transformers import Trainer
 
@@ -212,3 +212,52 @@ def test_the_command_line_sets_the_objective():
     )  # fmt: skip
     args = _parser().parse_args(["learn", "--distill-logits", "0.1", "--distill-temperature", "2"])
     assert (args.distill_logits, args.distill_temperature) == (0.1, 2.0)
+
+
+def test_the_logged_terms_are_per_token_whatever_the_accumulation():
+    """A term carries its gradient divided by the whole accumulated batch's token count, but is logged per
+    token of its own batch, as comparable across runs as the logged loss."""
+    distilling, _ = _models(**DISTILL)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    torch.manual_seed(3)
+    alone = distilling(input_ids=ids, labels=ids)
+    torch.manual_seed(3)
+    accumulated = distilling(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(8 * 22))
+    for name in ("distill_logits_loss", "distill_hidden_loss"):
+        assert accumulated[name].item() == pytest.approx(alone[name].item(), rel=1e-5)
+
+
+def test_a_frozen_mask_under_fine_tuning_leaves_the_loss_alone(tmp_path):
+    """A mask learned with distillation, loaded frozen (is_trainable=False) for fine-tuning something else:
+    no teacher pass, the caller's loss untouched, batches without labels accepted."""
+    from hf_maskllm import MaskModel
+
+    distilling, plain = _models(**DISTILL)
+    distilling.save_pretrained(tmp_path / "mask")
+    frozen = MaskModel.from_pretrained(tiny_llama(), tmp_path / "mask").train()
+    assert frozen.mask_config.distill_logits == 0.7  # saved and read back
+    calls = []
+    frozen.disable_masks = lambda: calls.append(1)  # a teacher pass would call it
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(10))
+    out = frozen(input_ids=ids, labels=ids)
+    assert not calls and "distill_logits_loss" not in out
+    assert frozen(input_ids=ids).logits is not None
+
+
+def test_default_objective_fields_are_left_out_of_a_saved_config(tmp_path):
+    import json
+
+    MaskConfig().save_pretrained(tmp_path / "a")
+    MaskConfig(distill_logits=0.1).save_pretrained(tmp_path / "b")
+    a = json.loads((tmp_path / "a" / "mask_config.json").read_text())
+    b = json.loads((tmp_path / "b" / "mask_config.json").read_text())
+    assert not {"lm_weight", "distill_logits", "distill_temperature", "distill_hidden"} & set(a)
+    assert b["distill_logits"] == 0.1 and "lm_weight" not in b
+    assert MaskConfig.from_pretrained(tmp_path / "b") == MaskConfig(distill_logits=0.1)
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_an_objective():
+    model = get_mask_model(tiny_bert_mlm(), MaskConfig(distill_logits=1.0)).train()
+    ids = torch.randint(3, 128, (1, 8))
+    with pytest.raises(ConfigError, match="causal language models"):
+        model(input_ids=ids, labels=ids)
