@@ -14,14 +14,26 @@ Protocol (as in the Wanda and SparseGPT reference code):
 4. Targets outside the blocks (rare) are calibrated afterwards with full-model forwards.
 5. Mask-only mode restores every changed weight bit for bit from a CPU copy.
 
+Precision: each block runs, and SparseGPT solves, in ``compute_dtype``: by default float64 on a CPU
+(float32 on an accelerator). A mask is a discrete choice: in float32 the last-bit differences between
+thread counts or CPUs (the order of a matmul's sums) flip the choice in near-tied groups, and each flip
+changes every later block's inputs, so two runs drift apart block by block. In float64 those
+differences are ~1e-16 instead of ~1e-7 and the same model and text give the same masks. The block's
+weights are cast for the pass and cast back exactly; a weight SparseGPT updates is rounded to the
+model's dtype before later blocks see it. Code inside a block that computes in float32 on purpose
+(RMSNorm in Llama, Qwen2, Gemma) still does.
+
 Memory: the cached hidden states of one block for the whole calibration set (``samples x seqlen x
-hidden`` in the model dtype, on the model's device), one batch of activations, and the statistics
-of one block's target layers (``in x in`` float64 per layer for SparseGPT, ``in`` for Wanda).
+hidden`` in the compute dtype, on the model's device), one batch of activations, the block's weights
+in the compute dtype, and the statistics of one block's target layers (``in x in`` float64 per layer
+for SparseGPT, ``in`` for Wanda).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -140,12 +152,50 @@ class _BlockInputs:
         self.kwargs: list[dict[str, Any]] = []
         self.hidden_in_kwargs = False
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """Cast every floating tensor (hidden states, position embeddings, float masks) to ``dtype``."""
+        self.hidden = [_cast_floats(h, dtype) for h in self.hidden]
+        self.args = [_cast_floats(a, dtype) for a in self.args]
+        self.kwargs = [_cast_floats(k, dtype) for k in self.kwargs]
+
     def run(self, block: nn.Module, b: int) -> torch.Tensor:
         if self.hidden_in_kwargs:
             out = block(*self.args[b], hidden_states=self.hidden[b], **self.kwargs[b])
         else:
             out = block(self.hidden[b], *self.args[b], **self.kwargs[b])
         return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating tensor inside tuples, lists and dicts cast to ``dtype``."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cast_floats(v, dtype) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_cast_floats(v, dtype) for v in obj)
+    return obj
+
+
+@contextmanager
+def _module_in_dtype(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Cast ``module``'s floating parameters and buffers to ``dtype`` for the block, back on exit.
+
+    Widening is exact, and every value written inside is representable in the original dtype, so the
+    way back is exact too.
+    """
+    saved: list[tuple[torch.Tensor, torch.dtype]] = []
+    try:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                saved.append((tensor, tensor.dtype))
+                tensor.data = tensor.data.to(dtype)
+        yield
+    finally:
+        for tensor, original in saved:
+            tensor.data = tensor.data.to(original)
 
 
 def _capture_block_inputs(
@@ -234,14 +284,18 @@ def _prune_targets(
     originals: dict[str, torch.Tensor],
     masks: dict[str, torch.Tensor],
     fixed_masks: dict[str, torch.Tensor] | None = None,
+    weight_dtypes: dict[str, torch.dtype] | None = None,
 ) -> None:
     """Compute each target's mask and apply it to the weight (keeping a CPU copy of the original).
 
     With ``fixed_masks`` (SparseGPT only), each target keeps its given mask and gets the OBS update for it.
+    ``weight_dtypes``: each weight's dtype in the model, when the block runs in another one; the copy is
+    kept, and the update rounded, in it.
     """
     for name, module in targets.items():
         weight = module.weight
-        originals[name] = weight.detach().to("cpu", copy=True)
+        dtype = weight.dtype if weight_dtypes is None else weight_dtypes[name]
+        originals[name] = weight.detach().to("cpu", dtype=dtype, copy=True)
         w_oi = dense_weight_view(module)
         if method == "wanda":
             mask = wanda_mask(w_oi, stats[name].norms(), n, m)
@@ -249,7 +303,7 @@ def _prune_targets(
         else:
             fixed = None if fixed_masks is None else fixed_masks[name].to(w_oi.device)
             new_w, mask = sparsegpt_layer(w_oi, stats[name].hessian(), n, m, blocksize, percdamp, fixed)
-            w_oi.data.copy_(new_w.to(weight.dtype))
+            w_oi.data.copy_(new_w.to(dtype))
         masks[name] = mask.cpu()
         stats[name] = None  # free the statistics early
 
@@ -273,9 +327,11 @@ def _calibrate_sequentially(
     percdamp: float,
     keep_updates: bool,
     fixed_masks: dict[str, torch.Tensor] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    dtype = _compute_dtype(model, compute_dtype)
     found = find_decoder_blocks(model, list(targets))
     per_block: list[dict[str, nn.Module]] = []
     outside = dict(targets)
@@ -301,19 +357,23 @@ def _calibrate_sequentially(
     try:
         if last >= 0:
             inputs = _capture_block_inputs(model, blocks[0], calibration, batch_size)
+            inputs.cast(dtype)
             num_batches = len(inputs.hidden)
             for i in tqdm(range(last + 1), desc=f"{method} {n}:{m}", unit="block", disable=not progress):
                 block = blocks[i]
-                if per_block[i]:
-                    stats = _collect_stats(
-                        per_block[i], method, num_batches, lambda b, block=block: inputs.run(block, b)
-                    )
-                    _prune_targets(
-                        per_block[i], stats, method, n, m, blocksize, percdamp, originals, masks, fixed_masks
-                    )
-                if i < last:
-                    for b in range(num_batches):
-                        inputs.hidden[b] = inputs.run(block, b)
+                dtypes = {name: module.weight.dtype for name, module in per_block[i].items()}
+                with _module_in_dtype(block, dtype):
+                    if per_block[i]:
+                        stats = _collect_stats(
+                            per_block[i], method, num_batches, lambda b, block=block: inputs.run(block, b)
+                        )
+                        _prune_targets(
+                            per_block[i], stats, method, n, m, blocksize, percdamp, originals, masks,
+                            fixed_masks, dtypes,
+                        )  # fmt: skip
+                    if i < last:
+                        for b in range(num_batches):
+                            inputs.hidden[b] = inputs.run(block, b)
             del inputs
         if outside:
             # Layers outside the block stack: one more pass of the (already pruned) full model.
@@ -337,6 +397,16 @@ def _calibrate_sequentially(
     return {name: masks[name] for name in targets}
 
 
+def _compute_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype:
+    if compute_dtype is None:
+        return torch.float64 if _input_device(model).type == "cpu" else torch.float32
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ConfigError(
+            f"compute_dtype must be torch.float64, torch.float32 or None (float64 on a CPU), got {compute_dtype!r}."
+        )
+    return compute_dtype
+
+
 def _check_method(method: object) -> str:
     if method not in PRIOR_METHODS:
         raise ConfigError(f"unknown prior method {method!r}; choose one of {', '.join(PRIOR_METHODS)}.")
@@ -352,6 +422,7 @@ def compute_prior_masks(
     calibration: torch.LongTensor | None = None,
     batch_size: int = 1,
     progress: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.BoolTensor]:
     """One-shot N:M masks for ``module_names``, leaving the model's weights bit-identical.
 
@@ -364,6 +435,8 @@ def compute_prior_masks(
         calibration: ``[num_samples, seqlen]`` token ids; required except for magnitude.
         batch_size: sequences per forward during calibration.
         progress: show a tqdm bar over blocks.
+        compute_dtype: dtype the blocks run and SparseGPT solves in; ``None``: float64 on a CPU (the
+            same masks across thread counts and CPUs), float32 on an accelerator.
 
     Returns:
         ``{name: mask}``: exactly N:M bool masks on CPU in ``[out, in]`` orientation (for ``Conv1D``,
@@ -378,8 +451,9 @@ def compute_prior_masks(
     if not targets:
         return {}
     return _calibrate_sequentially(
-        model, method, n, m, targets, calibration, batch_size, progress, 128, 0.01, keep_updates=False
-    )
+        model, method, n, m, targets, calibration, batch_size, progress, 128, 0.01, keep_updates=False,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
 
 
 def sparsegpt_reconstruct(
@@ -392,12 +466,14 @@ def sparsegpt_reconstruct(
     progress: bool = True,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    compute_dtype: torch.dtype | None = None,
 ) -> None:
     """SparseGPT's OBS weight update for GIVEN N:M masks, block by block on ``calibration``, in place.
 
     ``masks``: ``{module name: bool [out, in]}`` (each exactly N:M). The targets' weights become the
-    updated weights, zero where a mask is False; the masks are kept exactly. If anything fails, the
-    original weights are restored.
+    updated weights (rounded to the model's dtype), zero where a mask is False; the masks are kept
+    exactly. If anything fails, the original weights are restored. ``compute_dtype``: as in
+    :func:`compute_prior_masks`.
     """
     if not masks:
         raise TargetError("masks is empty; pass {module name: bool [out, in] mask} for the layers to update.")
@@ -429,6 +505,7 @@ def sparsegpt_reconstruct(
         percdamp,
         keep_updates=True,
         fixed_masks=masks,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -442,11 +519,13 @@ def sparsegpt_prune(
     progress: bool = True,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.BoolTensor]:
     """SparseGPT baseline: prune ``module_names`` to N:M in place, with the OBS weight update.
 
-    The model's target weights become the updated, N:M-sparse weights (if anything fails, the
-    original weights are restored). Returns the bool keep-masks (CPU, ``[out, in]``).
+    The model's target weights become the updated, N:M-sparse weights, rounded to the model's dtype
+    (if anything fails, the original weights are restored). Returns the bool keep-masks (CPU,
+    ``[out, in]``). ``compute_dtype``: as in :func:`compute_prior_masks`.
     """
     check_nm_args(n, m)
     targets = _resolve_targets(model, module_names, m)
@@ -465,4 +544,5 @@ def sparsegpt_prune(
         blocksize,
         percdamp,
         keep_updates=True,
+        compute_dtype=compute_dtype,
     )

@@ -12,6 +12,8 @@ loss of removing ``w_j`` when only the columns not yet visited may compensate.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -30,8 +32,10 @@ class HessianStats:
 
     @staticmethod
     def increment(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``X^T X`` of one batch of inputs ``[..., in]`` (fp32 matmul; cacheable across layers sharing X)."""
-        x = x.detach().reshape(-1, x.shape[-1]).float()
+        """``X^T X`` of one batch of inputs ``[..., in]`` (a float32 matmul, float64 for float64 inputs;
+        cacheable across layers sharing X)."""
+        x = x.detach().reshape(-1, x.shape[-1])
+        x = x if x.dtype == torch.float64 else x.float()
         return x.t() @ x, x.shape[0]
 
     def add(self, inc: tuple[torch.Tensor, int]) -> None:
@@ -47,12 +51,32 @@ class HessianStats:
         return self.xtx * (2.0 / self.num_tokens)
 
 
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On a CPU, run LAPACK on one thread: its blocking, hence its last bits, depends on the thread count."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _upper_cholesky_of_inverse(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     """Dampen ``h`` by ``percdamp * mean(diag)`` and return the upper Cholesky factor of its inverse.
 
     If ``h`` is not positive definite after dampening, the dampening is raised 10x (with a warning)
-    until it is.
+    until it is. On a CPU the factorisations run on one thread, so that the factor, and the mask chosen
+    from it, does not depend on the thread count.
     """
+    with _one_thread(h.device):
+        return _factor(h, percdamp)
+
+
+def _factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     mean_diag = torch.mean(torch.diag(h))
     damp_frac = percdamp
     for _ in range(8):
@@ -99,14 +123,15 @@ def sparsegpt_layer(
             for that fixed mask (one-shot reconstruction). Inputs that never fire keep their weights.
 
     Returns:
-        ``(updated_weight, mask)``: the OBS-updated float32 weight (zero where pruned) and the bool
-        keep-mask, both ``[out, in]``, exactly N:M.
+        ``(updated_weight, mask)``: the OBS-updated weight (zero where pruned; float64 for a float64
+        ``weight``, else float32: the dtype of the whole solve) and the bool keep-mask, both
+        ``[out, in]``, exactly N:M.
     """
     check_nm_args(n, m)
     rows, cols = weight.shape
     if cols % m:
         raise ConfigError(f"in_features={cols} is not divisible by m={m}; choose an m that divides it.")
-    w = weight.detach().float().clone()
+    w = weight.detach().to(torch.float64 if weight.dtype == torch.float64 else torch.float32, copy=True)
     h = hessian.detach().double().clone()
     # Inputs that never fire: no information; the reference zeroes their weights and sets H_jj = 1.
     dead = torch.diag(h) == 0

@@ -23,7 +23,8 @@ class InputNormStats:
     @staticmethod
     def increment(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Statistics of one batch of inputs ``[..., in]`` (cacheable when several layers share an input)."""
-        x = x.detach().reshape(-1, x.shape[-1]).float()
+        x = x.detach().reshape(-1, x.shape[-1])
+        x = x if x.dtype == torch.float64 else x.float()
         return x.pow(2).sum(dim=0), x.shape[0]
 
     def add(self, inc: tuple[torch.Tensor, int]) -> None:
