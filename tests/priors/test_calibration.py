@@ -260,3 +260,96 @@ def test_errors():
     model.model.layers[0].mlp.down_proj = nn.Linear(36, 64)  # 36 inputs: divisible by 4, not by 8
     with pytest.raises(TargetError, match="not divisible by m=8"):
         compute_prior_masks(model, "magnitude", 4, 8, ["model.layers.0.mlp.down_proj"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision: float64 on a CPU by default, the model's weights and dtypes unchanged
+# ---------------------------------------------------------------------------------------------
+
+
+def _input_dtypes(model: nn.Module, names: list[str], run) -> set[torch.dtype]:
+    """Dtypes of the inputs the target layers see while ``run()`` calibrates."""
+    seen: set[torch.dtype] = set()
+    modules = dict(model.named_modules())
+    handles = [modules[n].register_forward_hook(lambda mod, a, o: seen.add(a[0].dtype)) for n in names]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_blocks_run_in_float64_on_cpu_by_default(method):
+    model = tiny_llama()
+    names = target_names(model)
+    tokens = calib()
+    seen = _input_dtypes(
+        model, names, lambda: compute_prior_masks(model, method, 2, 4, names, tokens, progress=False)
+    )
+    assert seen == {torch.float64}
+    kwargs = {"compute_dtype": torch.float32}
+    run = lambda: compute_prior_masks(model, method, 2, 4, names, tokens, progress=False, **kwargs)  # noqa: E731
+    assert _input_dtypes(model, names, run) == {torch.float32}
+
+
+def test_float64_masks_follow_a_float64_reference():
+    """Block 0's first layer: the mask SparseGPT picks from float64 inputs, solved in float64."""
+    model = tiny_llama()
+    tokens = calib()
+    names = target_names(model)
+    first = dict(model.named_modules())[names[0]]
+    weight = first.weight.detach().clone()
+    seen: list[torch.Tensor] = []
+    handle = first.register_forward_hook(lambda mod, args, out: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model.double()(input_ids=tokens)
+    handle.remove()
+    model.float()
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen])
+    assert x.dtype == torch.float64
+    h = 2.0 / x.shape[0] * (x.t() @ x)
+    _, expected = sparsegpt_layer(weight.double(), h, 2, 4)
+    masks = compute_prior_masks(model, "sparsegpt", 2, 4, names, tokens, progress=False)
+    assert torch.equal(masks[names[0]], expected)
+
+
+def test_bf16_model_keeps_dtypes_and_rounds_updates():
+    model = tiny_llama().to(torch.bfloat16)
+    names = target_names(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compute_prior_masks(model, "sparsegpt", 2, 4, names, calib(), progress=False)
+    after = model.state_dict()
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before)
+    masks = sparsegpt_prune(model, 2, 4, names, calib(), progress=False)
+    modules = dict(model.named_modules())
+    for name in names:
+        w = modules[name].weight
+        assert w.dtype == torch.bfloat16
+        assert not w[~masks[name]].any()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_failure_in_float64_restores_weights_and_dtypes(monkeypatch):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 9:  # inside block 1, after block 0 was pruned
+            raise RuntimeError("boom")
+        return sparsegpt_layer(*args, **kwargs)
+
+    monkeypatch.setattr(calibration_mod, "sparsegpt_layer", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        sparsegpt_prune(model, 2, 4, target_names(model), calib(), progress=False)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_compute_dtype_is_checked():
+    model = tiny_llama(layers=1)
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        compute_prior_masks(model, "wanda", 2, 4, target_names(model), calib(), compute_dtype=torch.float16)

@@ -106,3 +106,22 @@ def test_sparsegpt_dead_inputs():
     assert not mask[:, 2].any()  # its weight is zeroed first, so it is pruned
     assert torch.isfinite(new_w).all()
     mask_to_indices(mask, 2, 4)
+
+
+def test_factor_does_not_depend_on_thread_count():
+    """LAPACK's threaded blocking changes last bits; the factor is computed on one thread on a CPU."""
+    from hf_maskllm.priors.sparsegpt import _upper_cholesky_of_inverse
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 1536, generator=g, dtype=torch.float64)
+    h = 2.0 / x.shape[0] * (x.t() @ x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _upper_cholesky_of_inverse(h, 0.01)
+        torch.set_num_threads(4)
+        four = _upper_cholesky_of_inverse(h, 0.01)
+        assert torch.get_num_threads() == 4  # restored
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, four)
