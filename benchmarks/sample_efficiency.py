@@ -160,7 +160,7 @@ def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
     from hf_maskllm import MaskConfig, get_mask_model
     from hf_maskllm.data import calibration_tokens
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.jobs * args.threads)  # alone on the machine: the variants' cores
     model, tokenizer = _load(model_name, args.cache)
     dense = _ppl(model, tokenizer, args.eval_windows)
     calib = calibration_tokens(
