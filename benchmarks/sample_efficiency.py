@@ -50,6 +50,7 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm-lr2e-3": ("LM loss, learning rate 2e-3", {}, {"learning_rate": 2e-3}),
     "lm-tau2": ("LM loss, tau 2 -> 0.05", {"tau": (2.0, 0.05)}, {}),
     "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
+    "lm-warmup10": ("LM loss, 10 warm-up steps", {}, {"warmup_steps": 10}),
     "lm+kl0.1-lr1e-3": (
         "+ 0.1 x logit KL, learning rate 1e-3",
         {"distill_logits": 0.1},
