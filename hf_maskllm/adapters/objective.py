@@ -16,6 +16,7 @@ accumulation and DDP then sum exactly as for the language-model loss), else by t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -113,13 +114,21 @@ def teacher_pass(
         return model(*args, **kwargs)
 
 
+@functools.cache
+def _is_causal_lm(cls: type) -> bool:
+    """A transformers causal-LM class (the Auto mapping's), or one named like them (remote code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return cls.__name__.endswith("ForCausalLM") or cls.__name__ in set(
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    )
+
+
 def check_causal_lm(model: nn.Module) -> None:
     """Refuse an objective other than the language-model loss for a model that is not a causal LM: the
     terms compare next-token predictions at the positions whose next label counts."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     name = type(model).__name__
-    if name not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+    if not _is_causal_lm(type(model)):
         raise ConfigError(
             f"lm_weight / distill_logits / distill_hidden define an objective for causal language models; "
             f"{name} is not one. Leave them at their defaults (lm_weight=1.0, no distillation)."

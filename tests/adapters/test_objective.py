@@ -261,3 +261,17 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_an_objective():
     ids = torch.randint(3, 128, (1, 8))
     with pytest.raises(ConfigError, match="causal language models"):
         model(input_ids=ids, labels=ids)
+
+
+def test_a_causal_lm_class_of_remote_code_is_accepted():
+    """Not in transformers' Auto mapping, but named like its causal LMs: accepted."""
+    from transformers import LlamaForCausalLM
+
+    class CustomForCausalLM(LlamaForCausalLM):
+        pass
+
+    base = tiny_llama()
+    base.__class__ = CustomForCausalLM
+    model = get_mask_model(base, MaskConfig(distill_logits=1.0)).train()
+    ids = torch.randint(3, 128, (1, 8))
+    assert "distill_logits_loss" in model(input_ids=ids, labels=ids)
