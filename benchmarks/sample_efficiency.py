@@ -49,6 +49,22 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm-lr1e-3": ("LM loss, learning rate 1e-3", {}, {"learning_rate": 1e-3}),
     "lm-lr2e-3": ("LM loss, learning rate 2e-3", {}, {"learning_rate": 2e-3}),
     "lm-tau2": ("LM loss, tau 2 -> 0.05", {"tau": (2.0, 0.05)}, {}),
+    "lm-tau1": ("LM loss, tau 1 -> 0.05", {"tau": (1.0, 0.05)}, {}),
+    "lm-tau2+hidden0.1": (
+        "tau 2 -> 0.05, + 0.1 x hidden-state MSE",
+        {"tau": (2.0, 0.05), "distill_hidden": 0.1},
+        {},
+    ),
+    "lm-tau2-warmup10": (
+        "LM loss, tau 2 -> 0.05, 10 warm-up steps",
+        {"tau": (2.0, 0.05)},
+        {"warmup_steps": 10},
+    ),
+    "lm-tau2-alpha5": (
+        "LM loss, tau 2 -> 0.05, prior strength 5",
+        {"tau": (2.0, 0.05), "prior_strength": 5.0},
+        {},
+    ),
     "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
     "lm-warmup10": ("LM loss, 10 warm-up steps", {}, {"warmup_steps": 10}),
     "lm+kl0.1-lr1e-3": (
