@@ -47,6 +47,10 @@ def load_gemma3(cache: Path):
         gemma.assemble(path)
     tokenizer = AutoTokenizer.from_pretrained(cache, gguf_file=GEMMA_FILE)
     model = AutoModelForCausalLM.from_pretrained(cache, gguf_file=GEMMA_FILE, dtype=torch.float32)
+    # transformers dequantizes GGUF weights on load but leaves the model marked quantized, and Trainer
+    # refuses to train such a model: the weights are plain float32 tensors, so unmark it.
+    if model.hf_quantizer is not None:
+        model.hf_quantizer.remove_quantization_config(model)
     return model.eval(), tokenizer
 
 
