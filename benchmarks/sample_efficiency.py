@@ -1,7 +1,8 @@
 """Quality per token: training objectives compared from the same prior, with the same tokens, in one run.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sample_efficiency.py \
-        [--models smollm2,gemma3] [--variants lm,lm+kl0.1,...] [--steps 40] [--jobs 2]
+        [--models smollm2,gemma3] [--variants lm,lm+kl0.1,...] [--model-variants gemma3=lm,lm-tau2]
+        [--steps 40] [--jobs 2]
 
 For each model: the dense model's and a SparseGPT 2:4 prior's held-out perplexity (Wikipedia and news,
 ``--eval-windows`` x 512 tokens), the prior saved once; then every variant learns from that prior with
@@ -196,6 +197,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2,gemma3")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    p.add_argument(
+        "--model-variants",
+        action="append",
+        default=[],
+        metavar="MODEL=LIST",
+        help="the variants of one model, instead of --variants (repeatable)",
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seqlen", type=int, default=256)
@@ -210,8 +218,13 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "sample_efficiency"))
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    variants = {name: [v for v in args.variants.split(",") if v] for name in models}
+    for spec in args.model_variants:
+        name, sep, listed = spec.partition("=")
+        if not sep or name not in models:
+            raise SystemExit(f"--model-variants {spec!r}: use MODEL=LIST with MODEL one of {models}")
+        variants[name] = [v for v in listed.split(",") if v]
+    unknown = sorted({v for keys in variants.values() for v in keys} - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
 
@@ -225,7 +238,8 @@ def main() -> None:
         print(name, json.dumps(per_model[name]), flush=True)
         with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
             futures = [
-                pool.submit(run_variant, name, key, per_model[name]["prior_dir"], args) for key in variants
+                pool.submit(run_variant, name, key, per_model[name]["prior_dir"], args)
+                for key in variants[name]
             ]
             for future in futures:
                 rows.append(future.result())
