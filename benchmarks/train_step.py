@@ -9,7 +9,7 @@ probabilities (less memory: compare the peak RSS lines).
 
 Its cost must not depend on where the run is in its schedule: at a low temperature most
 probabilities underflow, and unflushed denormal floats made CPU steps 5-12x slower. So the masked
-step is timed at several points of the default schedule (tau 4 -> 0.05 with kappa 100 -> 500
+step is timed at several points of the paper's schedule (tau 4 -> 0.05 with kappa 100 -> 500
 linearly alongside; logits from a magnitude prior at the default strength, spread as in a trained
 run), each interleaved with the dense step in the same process (``--repeats`` rounds, medians).
 Then a real ``learn_mask`` run of ``--run-steps`` steps on the embedded Wikipedia text (from the
@@ -65,7 +65,7 @@ def load_model(name: str):
 
 
 def kappa_at(tau: float, config) -> float:
-    """The kappa that the default linear schedules pair with ``tau``."""
+    """The kappa that the config's linear schedules pair with ``tau``."""
     (tau0, tau1), (kappa0, kappa1) = config.tau, config.kappa
     progress = (tau0 - tau) / (tau0 - tau1)
     return kappa0 + (kappa1 - kappa0) * progress
@@ -136,7 +136,8 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         dense_step()
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
-        config = MaskConfig(prior="magnitude")  # default prior strength: logits spread like a trained run
+        # default prior strength: logits spread like a trained run; the paper's tau range (the widest)
+        config = MaskConfig(prior="magnitude", tau=(4.0, 0.05))
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
@@ -328,7 +329,7 @@ def write_results(args, results: list[dict]) -> None:
         "",
         (f"GPU: {gpu['name']}; " if gpu else "") + f"{where}; {compute}.",
         "",
-        "Schedule points: the masked step at each tau with the kappa that the default linear schedules pair "
+        "Schedule points: the masked step at each tau with the kappa that the paper's linear schedules pair "
         "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the default strength "
         f"(alpha 3); median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
         "process (dense: median of all of them). The masked step includes the MaskAdamW step.",

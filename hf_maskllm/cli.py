@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
         "--lr", type=float, default=5e-4, help="peak learning rate of the logits (the reference value)"
     )
     learn.add_argument(
+        "--tau",
+        type=float,
+        nargs=2,
+        metavar=("START", "END"),
+        default=list(MaskConfig.tau),
+        help="Gumbel temperature, annealed linearly from START to END (the paper's: 4.0 0.05)",
+    )
+    learn.add_argument(
         "--lm-weight",
         type=float,
         default=MaskConfig.lm_weight,
@@ -216,6 +224,7 @@ def learn(args: argparse.Namespace) -> dict:
         prior=prior,
         calibration_samples=args.calib_samples,
         calibration_seqlen=args.calib_seqlen,
+        tau=tuple(args.tau),
         lm_weight=args.lm_weight,
         distill_logits=args.distill_logits,
         distill_temperature=args.distill_temperature,

@@ -28,7 +28,19 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
     from hf_maskllm.cli import main
 
     out = tmp_path_factory.mktemp("main-job")
-    args = ["--prior", "magnitude", "--steps", "2", "--eval-windows", "1", "--eval-seqlen", "128"]
+    args = [
+        "--prior",
+        "magnitude",
+        "--steps",
+        "2",
+        "--eval-windows",
+        "1",
+        "--eval-seqlen",
+        "128",
+        "--tau",
+        "3",
+        "0.5",
+    ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         main(["learn", *args, "--seqlen", "64", "--output", str(out)])
@@ -52,6 +64,7 @@ def test_main_job_on_smollm2(main_job):
     model, _ = load_smollm2()
     restored = MaskModel.from_pretrained(model, tmp_path / "mask")
     assert restored.training_summary["optimizer_steps"] == 2
+    assert json.loads((tmp_path / "mask" / "mask_config.json").read_text())["tau"] == [3.0, 0.5]  # --tau
     sparse = AutoModelForCausalLM.from_pretrained(tmp_path / "sparse-model")
     assert check_nm(sparse, 2, 4).ok
     card = (tmp_path / "sparse-model" / "README.md").read_text()

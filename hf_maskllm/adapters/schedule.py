@@ -61,7 +61,7 @@ class MaskSchedule:
             detached, by name; ``MaskAnnealCallback`` logs each as ``<name>_loss``.
     """
 
-    tau: float = 4.0
+    tau: float = 2.0
     kappa: float = 100.0
     hard: bool = False
     sparse_reg_weight: float = 0.0

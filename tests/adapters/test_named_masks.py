@@ -266,7 +266,7 @@ def test_state_dict_holds_packed_masks_and_to_moves_every_mask(tmp_path):
 def test_every_layer_reads_the_schedule_of_the_active_mask():
     mm = get_mask_model(tiny_llama(), MaskConfig())
     mm.add_mask("sharp", MaskConfig(tau=(1.0, 0.1), kappa=(50.0, 500.0), hard=True))
-    assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.hard) == (4.0, 100.0, False)
+    assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.hard) == (2.0, 100.0, False)
     mm.set_mask("sharp")  # the schedule starts where the new mask's config starts
     assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.hard) == (1.0, 50.0, True)
     assert all(layer.schedule is mm.schedule for layer in mm.masked_layers().values())

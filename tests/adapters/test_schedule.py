@@ -80,7 +80,7 @@ def test_set_schedule_values_updates_the_schedule_every_layer_reads():
     mm.set_schedule_values(1.0, 300.0, sparse_reg_weight=1e-4)
     assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.sparse_reg_weight) == (1.0, 300.0, 1e-4)
     other = get_mask_model(tiny_llama(), MaskConfig())
-    assert other.schedule is not mm.schedule and other.schedule.tau == 4.0  # one schedule per model
+    assert other.schedule is not mm.schedule and other.schedule.tau == 2.0  # one schedule per model
 
 
 def test_compiled_sampling_is_per_model_and_restored_after_training():
