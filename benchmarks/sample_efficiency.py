@@ -269,7 +269,8 @@ def main() -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} unless the variant says otherwise; held-out perplexity on "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} and the paper's schedule (tau 4 -> 0.05) unless "
+        f"the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
         "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "
         "from the prior's. Step: median wall time of steps 3 to the end (the "

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs=2,
         metavar=("START", "END"),
         default=list(MaskConfig.tau),
-        help="Gumbel temperature, annealed linearly from START to END (the paper's: 4.0 0.05)",
+        help="Gumbel temperature, annealed linearly from START to END (default: %(default)s; the paper's: 4.0 0.05)",
     )
     learn.add_argument(
         "--lm-weight",

@@ -133,7 +133,7 @@ def test_training_mode_samples_a_new_soft_mask_each_forward(case):
     groups = soft.detach().reshape(-1, m)
     torch.testing.assert_close(groups.sum(dim=1), torch.full((groups.shape[0],), float(n)))
     assert bool(((groups >= 0) & (groups <= 1 + 1e-6)).all())
-    assert not bool(((groups == 0) | (groups == 1)).all())  # soft, not already hard at tau = 4
+    assert not bool(((groups == 0) | (groups == 1)).all())  # soft, not already hard at the starting tau
 
 
 def test_eval_mode_uses_the_exact_hard_argmax_mask(case):
@@ -317,7 +317,9 @@ def test_sparse_regulariser_matches_manual_loss_and_gradient():
     grad_total = torch.autograd.grad(regularised.loss, logits)
     for g_total, g_lm, g_reg in zip(grad_total, grad_lm, grad_reg):
         assert not torch.allclose(g_total, g_lm)
-        torch.testing.assert_close(g_total, g_lm - weight * g_reg, rtol=1e-4, atol=1e-9)
+        # float32 sums: an element where the two terms cancel is exact only up to rounding of the largest
+        atol = 1e-6 * float(torch.maximum(g_lm.abs().max(), (weight * g_reg).abs().max()))
+        torch.testing.assert_close(g_total, g_lm - weight * g_reg, rtol=1e-4, atol=atol)
 
     # when the Trainer normalises over the accumulated batch (num_items_in_batch), the term is split
     mm.schedule.update(reg_divisor=2)

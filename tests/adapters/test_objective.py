@@ -210,8 +210,11 @@ def test_the_command_line_sets_the_objective():
     assert (args.lm_weight, args.distill_logits, args.distill_temperature, args.distill_hidden) == (
         default.lm_weight, default.distill_logits, default.distill_temperature, default.distill_hidden,
     )  # fmt: skip
-    args = _parser().parse_args(["learn", "--distill-logits", "0.1", "--distill-temperature", "2"])
-    assert (args.distill_logits, args.distill_temperature) == (0.1, 2.0)
+    assert tuple(args.tau) == default.tau
+    args = _parser().parse_args(
+        ["learn", "--distill-logits", "0.1", "--distill-temperature", "2", "--tau", "4", "0.05"]
+    )
+    assert (args.distill_logits, args.distill_temperature, args.tau) == (0.1, 2.0, [4.0, 0.05])
 
 
 def test_the_logged_terms_are_per_token_whatever_the_accumulation():

@@ -56,9 +56,10 @@ def test_unknown_schedule_kind_raises():
 # ---------------------------------------------------------------------------------------------- MaskSchedule
 def test_update_sets_several_fields_and_refuses_unknown_ones():
     schedule = MaskSchedule()
+    default = MaskConfig()  # a fresh schedule starts where the default config's schedules start
     assert (schedule.tau, schedule.kappa, schedule.hard, schedule.sparse_reg_weight) == (
-        4.0,
-        100.0,
+        default.tau[0],
+        default.kappa[0],
         False,
         0.0,
     )
