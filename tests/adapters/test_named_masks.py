@@ -352,7 +352,8 @@ def test_downstream_benchmark_switching_mode_on_smollm2(tmp_path):
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "downstream.py"
     env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "OMP_NUM_THREADS": "1"}
     args = ["--switching-only", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]
-    subprocess.run([sys.executable, str(script), *args], check=True, env=env, capture_output=True)
+    run = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"downstream.py exited {run.returncode}:\n{run.stderr[-4000:]}"
     results = json.loads((tmp_path / "downstream_switching.json").read_text())
     states = results["mask_states"]
     assert states["packed-copy"]["state"] == "packed" and states["packed-copy"]["bits_per_weight"] <= 0.7
