@@ -4,7 +4,7 @@
 # with its own time limit, all under one deadline: a slow step costs only what comes after it.
 #
 #   1. GPU correctness: tests/kernels/test_ops_gpu.py (CUDA graphs + compile first, every route, every config)
-#   2. benchmarks/kernels.py --quick: per-layer timings of every route vs cuBLAS and cuSPARSELt
+#   2. benchmarks/gpu_kernels.py --quick: per-layer timings of every route vs cuBLAS and cuSPARSELt
 #   3. benchmarks/generate.py: dense vs 2:4 generation on the 8B shape at batch 1 (the end-to-end target)
 #   4. benchmarks/train_step.py --model llama-1b: masked vs frozen dense training step (issue 6's ratio)
 #
@@ -51,7 +51,7 @@ TIMEOUT_FLAG=()
 "$PY" -c "import pytest_timeout" 2> /dev/null && TIMEOUT_FLAG=(--timeout 90)
 step test_kernels_gpu 200 "$PY" -m pytest -q -rs -p no:cacheprovider "${TIMEOUT_FLAG[@]}" tests/kernels/test_ops_gpu.py
 grep -q "skipped" "$OUT/test_kernels_gpu.log" && echo "== test_kernels_gpu: SOME TESTS WERE SKIPPED" | tee -a "$OUT/steps.txt"
-step kernels 170 "$PY" benchmarks/kernels.py --quick --out "$OUT/kernels.md"
+step kernels 170 "$PY" benchmarks/gpu_kernels.py --quick --out "$OUT/gpu_kernels.md"
 step generate 200 "$PY" benchmarks/generate.py --models 8b --batches 1 --new-tokens 128 --budget-s 30 \
     --out "$OUT/generate.md"
 step train_step 120 "$PY" benchmarks/train_step.py --model llama-1b --device cuda --bf16 --shapes 1x4096 \

@@ -16,7 +16,7 @@ cycles are compared with its tensor-core cycles (about 2048 bf16 multiply-adds p
 above 1, expanding the weight costs more than multiplying it. The MMA count in the loop checks that
 the right loop was found. Each config is also compiled with a bias and with a K tail (the variants
 not counted) to check that none of them spills. This predicts; the H200 decides
-(``benchmarks/kernels.py``).
+(``benchmarks/gpu_kernels.py``).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ __all__ = [
 # The routes by token count (constant-time choice). Up to DECODE_MAX_TOKENS: the decode kernel (one
 # 16-token MMA tile); from EXPAND_MIN_TOKENS: expand once + cuBLAS; between: the tl.dot kernel.
 # EXPAND_MIN_TOKENS is an estimate from instruction counts (docs/kernels.md) until a GPU measures the
-# crossover (benchmarks/kernels.py prints every route).
+# crossover (benchmarks/gpu_kernels.py prints every route).
 DECODE_MAX_TOKENS = 16
 EXPAND_MIN_TOKENS = 1024
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

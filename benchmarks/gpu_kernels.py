@@ -1,9 +1,9 @@
 """Benchmark the 2:4 kernels against dense cuBLAS (F.linear) and PyTorch semi-structured sparsity.
 
-GPU:  PYTHONPATH=. python benchmarks/kernels.py [--quick] [--out results/kernels.md]
-CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/kernels.py --dry-run   (tiny shapes, checks only)
+GPU:  PYTHONPATH=. python benchmarks/gpu_kernels.py [--quick] [--out results/gpu_kernels.md]
+CPU:  TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/gpu_kernels.py --dry-run   (tiny shapes, checks only)
 
-Writes the table to ``--out`` (.md; default ``benchmarks/results/kernels.md``, none for a dry run) and
+Writes the table to ``--out`` (.md; default ``benchmarks/results/gpu_kernels.md``, none for a dry run) and
 every number in it to the .json beside it, headed by the command, date, machine, versions (CUDA and
 Triton included) and git commit, and the GPU.
 
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="the markdown table (.md), the .json beside it (default: benchmarks/results/kernels.md; "
+        help="the markdown table (.md), the .json beside it (default: benchmarks/results/gpu_kernels.md; "
         "a dry run writes only where --out says)",
     )
     args = parser.parse_args()
@@ -219,7 +219,7 @@ def main() -> None:
     seconds = time.time() - t0
     gpu = gpu_info(device)
     name = gpu["name"] if device == "cuda" else "CPU (Triton interpreter)"
-    info = run_info("benchmarks/kernels.py")
+    info = run_info("benchmarks/gpu_kernels.py")
     info["versions"].update({k: v for k, v in gpu.items() if k != "name"})
     lines = [
         "# 2:4 linear kernels vs dense cuBLAS and semi-structured sparsity",
@@ -234,7 +234,7 @@ def main() -> None:
     ]
     table = "\n".join(lines) + "\n"
     print(table)
-    out = args.out or (None if args.dry_run else "benchmarks/results/kernels.md")
+    out = args.out or (None if args.dry_run else "benchmarks/results/gpu_kernels.md")
     if out:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
