@@ -68,6 +68,31 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 5.0},
         {},
     ),
+    "lm-tau2-alpha2": (
+        "LM loss, tau 2 -> 0.05, prior strength 2",
+        {"tau": (2.0, 0.05), "prior_strength": 2.0},
+        {},
+    ),
+    "lm-tau2-alpha4": (
+        "LM loss, tau 2 -> 0.05, prior strength 4",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {},
+    ),
+    "lm-tau2-kappa2x": (
+        "LM loss, tau 2 -> 0.05, kappa 200 -> 1000",
+        {"tau": (2.0, 0.05), "kappa": (200.0, 1000.0)},
+        {},
+    ),
+    "lm-tau2-reg0": (
+        "LM loss, tau 2 -> 0.05, no sparse weight regulariser",
+        {"tau": (2.0, 0.05), "sparse_reg": 0.0},
+        {},
+    ),
+    "lm-tau2-noclip": (
+        "LM loss, tau 2 -> 0.05, no gradient clipping",
+        {"tau": (2.0, 0.05)},
+        {"max_grad_norm": 0.0},
+    ),
     "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
     "lm-warmup10": ("LM loss, 10 warm-up steps", {}, {"warmup_steps": 10}),
     "lm+kl0.1-lr1e-3": (
@@ -153,6 +178,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         for name, mask in mask_model.hard_masks().items()
     )
     late = steps[-max(1, len(steps) // 4) :]
+    norms = [r["grad_norm"] for r in logs if r.get("grad_norm") is not None]
     return {
         "model": model_name,
         "key": key,
@@ -165,7 +191,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         "step_seconds_median": statistics.median(steps[2:] or steps),
         "step_seconds_last_quarter": statistics.median(late),
         "first_step_seconds": steps[0],
-        "grad_norm_median": statistics.median(r["grad_norm"] for r in logs if "grad_norm" in r),
+        "grad_norm_median": statistics.median(norms) if norms else None,  # none logged without clipping
         "lm_loss_last": logs[-1]["loss"],
         "distill_logits_loss_last": logs[-1].get("distill_logits_loss"),
         "distill_hidden_loss_last": logs[-1].get("distill_hidden_loss"),
@@ -294,12 +320,13 @@ def main() -> None:
         for r in (r for r in rows if r["model"] == name):
             curve = ", ".join(f"{t // 1000}k: {v:.1f}" for t, v in r["curve"])
             vs = f"{r['step_vs_lm']:.2f}x" if r["step_vs_lm"] else ""
+            norm = "none" if r["grad_norm_median"] is None else f"{r['grad_norm_median']:.1f}"
             lines.append(
                 f"| {r['label']} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
                 f"{r['gap_closed']['wikipedia']:.1%} / {r['gap_closed']['news']:.1%} | {curve} | "
                 f"{r['groups_moved_from_prior']:.2%} | "
                 f"{r['step_seconds_median']:.2f} s ({r['step_seconds_last_quarter']:.2f} s) | {vs} | "
-                f"{r['grad_norm_median']:.1f} | {r['state_bytes_per_masked_weight']:.2f} | "
+                f"{norm} | {r['state_bytes_per_masked_weight']:.2f} | "
                 f"{r['peak_rss_above_start_bytes'] / 2**30:.2f} GiB |"
             )
         lines.append("")
