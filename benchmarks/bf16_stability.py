@@ -66,7 +66,7 @@ def main() -> None:
 
     model, tokenizer = load_smollm2()
     # bf16 logits (the default) and the paper's temperature range, which passes tau = 2 mid-run
-    mask_model = get_mask_model(model, MaskConfig(prior="magnitude", tau=(4.0, 0.05)))
+    mask_model = get_mask_model(model, MaskConfig(prior="magnitude", tau=(4.0, 0.05), prior_strength=3.0))
     watch = FiniteWatch()
     start = time.perf_counter()
     trainer = learn_mask(

@@ -14,7 +14,7 @@ prior-to-dense gap it closes; the Wikipedia perplexity every ``--curve-every`` s
 change the run); the median step time (steps 3 to the end, and the last quarter of the schedule alone)
 and the median gradient norm before clipping; the training state (``training_state_bytes``) per masked
 weight; the peak resident memory of the run above what the process held before training. The variants
-start from the paper's recipe (the language-model loss, tau 4 -> 0.05) and differ only in the
+start from the paper's recipe (the language-model loss, tau 4 -> 0.05, prior strength 3) and differ only in the
 ``MaskConfig`` objective or schedule fields (docs/training.md) or the learning rate.
 
 Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
@@ -37,7 +37,8 @@ import torch
 from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PAPER_SCHEDULE = {"tau": (4.0, 0.05)}  # the paper's temperature range (the default starts at 2)
+# the paper's temperature range and prior strength (the defaults: tau from 2, prior strength 4)
+PAPER_SCHEDULE = {"tau": (4.0, 0.05), "prior_strength": 3.0}
 VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm": ("language-model loss (the paper)", {}, {}),
     "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}, {}),
@@ -295,7 +296,7 @@ def main() -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} and the paper's schedule (tau 4 -> 0.05) unless "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr}, the paper's schedule (tau 4 -> 0.05) and prior strength (3) unless "
         f"the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
         "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "

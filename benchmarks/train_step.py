@@ -137,7 +137,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
         # default prior strength: logits spread like a trained run; the paper's tau range (the widest)
-        config = MaskConfig(prior="magnitude", tau=(4.0, 0.05))
+        config = MaskConfig(prior="magnitude", tau=(4.0, 0.05), prior_strength=3.0)
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
@@ -330,7 +330,7 @@ def write_results(args, results: list[dict]) -> None:
         (f"GPU: {gpu['name']}; " if gpu else "") + f"{where}; {compute}.",
         "",
         "Schedule points: the masked step at each tau with the kappa that the paper's linear schedules pair "
-        "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the default strength "
+        "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the paper's strength "
         f"(alpha 3); median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
         "process (dense: median of all of them). The masked step includes the MaskAdamW step.",
         "",

@@ -55,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Gumbel temperature, annealed linearly from START to END (default: %(default)s; the paper's: 4.0 0.05)",
     )
     learn.add_argument(
+        "--prior-strength",
+        type=float,
+        default=MaskConfig.prior_strength,
+        help="alpha of the prior rule: how far the prior's pattern leads in each group at the start "
+        "(default: %(default)s; the paper's: 3.0)",
+    )
+    learn.add_argument(
         "--lm-weight",
         type=float,
         default=MaskConfig.lm_weight,
@@ -225,6 +232,7 @@ def learn(args: argparse.Namespace) -> dict:
         calibration_samples=args.calib_samples,
         calibration_seqlen=args.calib_seqlen,
         tau=tuple(args.tau),
+        prior_strength=args.prior_strength,
         lm_weight=args.lm_weight,
         distill_logits=args.distill_logits,
         distill_temperature=args.distill_temperature,

@@ -40,6 +40,8 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
         "--tau",
         "3",
         "0.5",
+        "--prior-strength",
+        "2.5",
     ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -64,7 +66,10 @@ def test_main_job_on_smollm2(main_job):
     model, _ = load_smollm2()
     restored = MaskModel.from_pretrained(model, tmp_path / "mask")
     assert restored.training_summary["optimizer_steps"] == 2
-    assert json.loads((tmp_path / "mask" / "mask_config.json").read_text())["tau"] == [3.0, 0.5]  # --tau
+    saved_config = json.loads((tmp_path / "mask" / "mask_config.json").read_text())
+    assert (
+        saved_config["tau"] == [3.0, 0.5] and saved_config["prior_strength"] == 2.5
+    )  # --tau, --prior-strength
     sparse = AutoModelForCausalLM.from_pretrained(tmp_path / "sparse-model")
     assert check_nm(sparse, 2, 4).ok
     card = (tmp_path / "sparse-model" / "README.md").read_text()

@@ -19,14 +19,15 @@ from hf_maskllm.patterns import candidate_patterns
 NM_PAIRS = [(n, m) for m in range(2, 9) for n in range(1, m)]
 
 
-def test_defaults_follow_the_paper_but_for_the_starting_temperature():
+def test_defaults_follow_the_paper_but_for_the_starting_temperature_and_the_prior_strength():
     cfg = MaskConfig()
     assert (cfg.n, cfg.m) == (2, 4)
     assert cfg.target_modules == "all-linear" and cfg.exclude_modules is None
     assert cfg.tau == (2.0, 0.05) and cfg.kappa == (100.0, 500.0)  # the paper's tau: (4.0, 0.05)
     assert cfg.tau_schedule == "linear" and cfg.kappa_schedule == "linear"
     assert cfg.hard is False and cfg.prior is None
-    assert cfg.prior_strength == 3.0 and cfg.sparse_reg == 1e-5 and cfg.init_std == 0.01
+    assert cfg.prior_strength == 4.0  # the paper's: 3.0
+    assert cfg.sparse_reg == 1e-5 and cfg.init_std == 0.01
     assert cfg.logits_dtype == "bfloat16" and cfg.seed == 0 and cfg.strict is False
 
 

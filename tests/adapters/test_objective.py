@@ -210,7 +210,7 @@ def test_the_command_line_sets_the_objective():
     assert (args.lm_weight, args.distill_logits, args.distill_temperature, args.distill_hidden) == (
         default.lm_weight, default.distill_logits, default.distill_temperature, default.distill_hidden,
     )  # fmt: skip
-    assert tuple(args.tau) == default.tau
+    assert tuple(args.tau) == default.tau and args.prior_strength == default.prior_strength
     args = _parser().parse_args(
         ["learn", "--distill-logits", "0.1", "--distill-temperature", "2", "--tau", "4", "0.05"]
     )

@@ -63,22 +63,22 @@ def test_apply_prior_makes_initial_hard_mask_equal_the_prior(n, m):
         w = dense_weight_view(layer.base_layer).abs().reshape(-1, m)
         magnitude = torch.zeros_like(w, dtype=torch.bool).scatter_(1, w.topk(n, dim=1).indices, True)
         assert float((magnitude.reshape(prior[name].shape) != prior[name]).float().mean()) > 0.2
-    mm.apply_prior(prior)  # default strength 3
-    assert mm.mask_config.prior_strength == 3.0
+    mm.apply_prior(prior)  # the config's strength
+    alpha = mm.mask_config.prior_strength
     cand = candidate_patterns(n, m)
     for name, layer in mm.masked_layers().items():
         assert torch.equal(layer.hard_mask(), prior[name]), name
         # the rule: logits += alpha * std * (overlap - n/2), the prior's candidate raised further if needed
         std = init[name].std()
         overlap = prior[name].reshape(-1, m).float() @ cand.t()
-        expected = init[name] + 3.0 * std * (overlap - n / 2)
+        expected = init[name] + alpha * std * (overlap - n / 2)
         prior_idx = (overlap == n).float().argmax(dim=1)
         new = layer.mask_logits.detach()
         is_prior = torch.zeros_like(new, dtype=torch.bool).scatter_(1, prior_idx[:, None], True)
         torch.testing.assert_close(new[~is_prior], expected[~is_prior], rtol=0, atol=1e-7)
         assert bool((new[is_prior] >= expected[is_prior] - 1e-7).all())
         # in most groups the rule alone already makes the prior win: those logits are untouched (fewer
-        # for 4:8, where 16 of the 70 candidates share 3 of the 4 kept positions and get +3 sigma too)
+        # for 4:8, where 16 of the 70 candidates share 3 of the 4 kept positions and get +alpha sigma too)
         untouched = torch.isclose(new[is_prior], expected[is_prior], rtol=0, atol=1e-7)
         assert float(untouched.float().mean()) > 0.6
 

@@ -15,6 +15,7 @@ import torch
 from models import single_thread  # noqa: F401  (autouse fixture)
 from torch import nn
 
+from hf_maskllm import MaskConfig
 from hf_maskllm.adapters import MaskedLinear
 from hf_maskllm.numerics import fused_linear, sampling
 from hf_maskllm.numerics.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
@@ -37,12 +38,12 @@ def fresh_compiled_code():
 
 
 def spread_logits(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """N(0, 0.01) logits plus the magnitude prior at the default strength (3 sigma per overlap)."""
+    """N(0, 0.01) logits plus the magnitude prior at the default strength (alpha sigma per overlap)."""
     cand = candidate_patterns(n, m)
     groups = weight.reshape(-1, m).abs()
     prior = torch.zeros_like(groups).scatter_(1, groups.topk(n, dim=-1).indices, 1.0)
     logits = torch.randn(groups.shape[0], cand.shape[0]) * 0.01
-    return logits + 3.0 * logits.std() * (prior @ cand.t() - n / 2)
+    return logits + MaskConfig().prior_strength * logits.std() * (prior @ cand.t() - n / 2)
 
 
 def reference_probs(logits: torch.Tensor, seed: int, tau: float, kappa: float) -> torch.Tensor:
