@@ -96,7 +96,9 @@ def test_apply_prior_is_exact_with_16_bit_logits(n, m, dtype):
 
 
 def test_prior_rule_for_2_4_is_plus_minus_three_sigma():
-    mm, _ = _build(tiny_llama, {"target_modules": ["q_proj"], "logits_dtype": "float32"})
+    mm, _ = _build(
+        tiny_llama, {"target_modules": ["q_proj"], "logits_dtype": "float32", "prior_strength": 3.0}
+    )
     _, layer = _first_layer(mm)
     before = layer.mask_logits.detach().clone()
     prior = {
@@ -140,7 +142,7 @@ def test_saved_mask_as_prior_gives_identical_initial_masks(tmp_path):
 
 def test_combined_prior_adds_the_terms_and_leaves_disagreements_to_learning(tmp_path):
     """prior=[saved mask, "magnitude"]: the rule's terms add; where the two agree their candidate leads by
-    6 sigma, where they disagree the init noise picks among the candidates they favour equally."""
+    2 alpha sigma, where they disagree the init noise picks among the candidates they favour equally."""
     source, _ = _build(tiny_llama, {"init_std": 1.0, "seed": 3})
     source.save_pretrained(tmp_path / "general")
     general = source.hard_masks()
@@ -156,7 +158,7 @@ def test_combined_prior_adds_the_terms_and_leaves_disagreements_to_learning(tmp_
     for name, layer in combined.masked_layers().items():
         init = fresh.masked_layers()[name].mask_logits.detach()
         overlaps = [k.reshape(-1, 4).float() @ cand.t() for k in (general[name], magnitude[name])]
-        expected = init + 3.0 * init.std() * sum(o - 1 for o in overlaps)
+        expected = init + combined.mask_config.prior_strength * init.std() * sum(o - 1 for o in overlaps)
         torch.testing.assert_close(layer.mask_logits.detach(), expected, rtol=0, atol=1e-6)  # no fix-up
         total = overlaps[0] + overlaps[1]
         hard = layer.hard_mask().reshape(-1, 4).float() @ cand.t()
