@@ -80,6 +80,26 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
         {},
     ),
+    "lm-tau2-alpha3.5": (
+        "LM loss, tau 2 -> 0.05, prior strength 3.5",
+        {"tau": (2.0, 0.05), "prior_strength": 3.5},
+        {},
+    ),
+    "lm-tau2-alpha4.5": (
+        "LM loss, tau 2 -> 0.05, prior strength 4.5",
+        {"tau": (2.0, 0.05), "prior_strength": 4.5},
+        {},
+    ),
+    "lm-tau2-alpha4-noclip": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, no gradient clipping",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"max_grad_norm": 0.0},
+    ),
+    "lm-tau1-alpha4": (
+        "LM loss, tau 1 -> 0.05, prior strength 4",
+        {"tau": (1.0, 0.05), "prior_strength": 4.0},
+        {},
+    ),
     "lm-tau2-kappa2x": (
         "LM loss, tau 2 -> 0.05, kappa 200 -> 1000",
         {"tau": (2.0, 0.05), "kappa": (200.0, 1000.0)},
