@@ -100,6 +100,16 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (1.0, 0.05), "prior_strength": 4.0},
         {},
     ),
+    "lm-tau2-alpha4-std0.005": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, init std 0.005",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "init_std": 0.005},
+        {},
+    ),
+    "lm-tau2-alpha6-std0.005": (
+        "LM loss, tau 2 -> 0.05, prior strength 6, init std 0.005",
+        {"tau": (2.0, 0.05), "prior_strength": 6.0, "init_std": 0.005},
+        {},
+    ),
     "lm-tau2-kappa2x": (
         "LM loss, tau 2 -> 0.05, kappa 200 -> 1000",
         {"tau": (2.0, 0.05), "kappa": (200.0, 1000.0)},
