@@ -110,6 +110,21 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 6.0, "init_std": 0.005},
         {},
     ),
+    "lm-tau2-alpha4-constlr": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+    ),
+    "lm-tau2-alpha4-lr7e-4": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, learning rate 7e-4",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"learning_rate": 7e-4},
+    ),
+    "lm-tau2-alpha4+kl0.1": (
+        "tau 2 -> 0.05, prior strength 4, + 0.1 x logit KL",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 0.1},
+        {},
+    ),
     "lm-tau2-kappa2x": (
         "LM loss, tau 2 -> 0.05, kappa 200 -> 1000",
         {"tau": (2.0, 0.05), "kappa": (200.0, 1000.0)},
