@@ -26,6 +26,7 @@ from hf_maskllm.data import causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
 from hf_maskllm.perplexity import evaluate_perplexity
+from hf_maskllm.training_args import PAPER_LR_SCHEDULE
 
 
 class FiniteWatch(TrainerCallback):
@@ -65,7 +66,7 @@ def main() -> None:
     args = p.parse_args()
 
     model, tokenizer = load_smollm2()
-    # bf16 logits (the default) and the paper's temperature range, which passes tau = 2 mid-run
+    # bf16 logits (the default) and the paper's recipe: its temperature range passes tau = 2 mid-run
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude", tau=(4.0, 0.05), prior_strength=3.0))
     watch = FiniteWatch()
     start = time.perf_counter()
@@ -79,6 +80,7 @@ def main() -> None:
         bf16=True,  # autocast bf16 (also on CPU)
         disable_tqdm=True,
         callbacks=[watch],
+        **PAPER_LR_SCHEDULE,  # the paper's cosine decay, as the reference's runs
     )
     seconds = time.perf_counter() - start
     logs = [r for r in trainer.state.log_history if "loss" in r and "tau" in r]
@@ -94,7 +96,7 @@ def main() -> None:
         "",
         f"SmolLM2-135M-Instruct, 2:4, magnitude prior, bf16 autocast + bf16 logits + MaskAdamW, the paper's schedules "
         f"(tau 4 -> 0.05, kappa 100 -> 500); {args.steps} steps x {args.batch_size} x {args.seqlen} tokens, "
-        f"lr {args.lr}; {seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads",
+        f"lr {args.lr} decaying to 10% with a cosine; {seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads",
         "",
         "| tau band | steps | mean loss | max loss | max grad norm |",
         "|---|---:|---:|---:|---:|",

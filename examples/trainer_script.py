@@ -36,7 +36,7 @@ def main() -> None:
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.print_trainable_parameters()
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=256)
-    training_args = MaskTrainingArguments(  # the recipe's lr, weight decay, betas, cosine schedule, clipping
+    training_args = MaskTrainingArguments(  # the recipe's lr (constant), weight decay, betas, clipping
         output_dir=args.output,
         max_steps=args.steps,
         per_device_train_batch_size=2,

@@ -44,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument("--m", type=int, default=4)
     learn.add_argument("--steps", type=int, default=40, help="optimizer steps of mask learning")
     learn.add_argument(
-        "--lr", type=float, default=5e-4, help="peak learning rate of the logits (the reference value)"
+        "--lr", type=float, default=5e-4, help="learning rate of the logits (the reference value)"
+    )
+    learn.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant learning rate (default), or the paper's cosine decay to 10%% of --lr",
     )
     learn.add_argument(
         "--tau",
@@ -210,6 +216,7 @@ def learn(args: argparse.Namespace) -> dict:
     from .data import calibration_tokens, causal_lm_dataset
     from .learn import learn_mask
     from .serialization import save_json
+    from .training_args import PAPER_LR_SCHEDULE
 
     _check_no_heldout(args.train_data)
     check_mask_name(args.mask_name)  # before the slow steps
@@ -261,6 +268,7 @@ def learn(args: argparse.Namespace) -> dict:
         train,
         max_steps=args.steps,
         learning_rate=args.lr,
+        **(PAPER_LR_SCHEDULE if args.lr_schedule == "cosine" else {}),
         batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         output_dir=str(out / "trainer"),

@@ -2,8 +2,10 @@
 
 The CLI's main job, the examples and the quality benchmark all call this function, so there is
 one training recipe. Defaults follow the MaskLLM reference implementation: only the logits train,
-AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, cosine LR decaying to 10%, grad clip 1.0
-(:class:`~hf_maskllm.MaskTrainingArguments`), tau and kappa annealed by :class:`MaskAnnealCallback`.
+AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, lr 5e-4, grad clip 1.0
+(:class:`~hf_maskllm.MaskTrainingArguments`), tau and kappa annealed by :class:`MaskAnnealCallback`;
+the learning rate stays constant where the reference decays it to 10% with a cosine
+(``learn_mask(..., **hf_maskllm.training_args.PAPER_LR_SCHEDULE)`` runs the reference's).
 A plain ``Trainer`` with those three pieces runs the same recipe.
 """
 

@@ -42,6 +42,8 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
         "0.5",
         "--prior-strength",
         "2.5",
+        "--lr-schedule",
+        "cosine",
     ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -70,6 +72,8 @@ def test_main_job_on_smollm2(main_job):
     assert (
         saved_config["tau"] == [3.0, 0.5] and saved_config["prior_strength"] == 2.5
     )  # --tau, --prior-strength
+    lrs = [h["learning_rate"] for h in results["log_history"] if "learning_rate" in h]
+    assert lrs and lrs[-1] == pytest.approx(5e-5)  # --lr-schedule cosine: the paper's decay to 10% of 5e-4
     sparse = AutoModelForCausalLM.from_pretrained(tmp_path / "sparse-model")
     assert check_nm(sparse, 2, 4).ok
     card = (tmp_path / "sparse-model" / "README.md").read_text()

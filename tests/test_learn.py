@@ -3,6 +3,7 @@ passes, used with its settings."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, MaskTrainingArguments, get_mask_model
 from hf_maskllm.errors import ConfigError
 from hf_maskllm.learn import learn_mask
+from hf_maskllm.training_args import PAPER_LR_SCHEDULE
 
 STEPS = 4
 
@@ -75,11 +77,22 @@ def test_readme_snippet_and_learn_mask_run_the_same_recipe(tmp_path):
     assert {g["weight_decay"] for g in _groups(trainer_a) if g["n"]} == {0.1}
     assert _groups(trainer_a)[0]["betas"] == (0.9, 0.95) and _groups(trainer_a)[0]["initial_lr"] == 5e-4
     assert rec_a.steps == rec_b.steps and len(rec_a.steps) == STEPS
-    lrs = [lr for lr, _, _ in rec_a.steps]
-    assert lrs[0] < 5e-4 and lrs[-1] == pytest.approx(5e-5)  # cosine from 5e-4 to its 10% floor
+    assert [lr for lr, _, _ in rec_a.steps] == [5e-4] * STEPS  # the default: a constant learning rate
     assert [tau for _, tau, _ in rec_a.steps][-1] < MaskConfig().tau[0]  # annealed
     for name, layer in a.masked_layers().items():  # same seeds, same data: the same masks
         assert torch.equal(layer.mask_logits, b.masked_layers()[name].mask_logits)
+
+
+def test_the_papers_lr_schedule_is_one_argument_away_and_not_a_departure(tmp_path):
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    rec = Recorder()
+    _no_departure_warning(
+        lambda: learn_mask(mm, TokenDataset(cyclic_language(16, seed=3)), max_steps=STEPS, output_dir=str(tmp_path),
+                           compile_sampling=False, disable_tqdm=True, callbacks=[rec], **PAPER_LR_SCHEDULE)
+    )  # fmt: skip
+    lrs = [lr for lr, _, _ in rec.steps]
+    cosine = [5e-5 + (5e-4 - 5e-5) * (1 + math.cos(math.pi * k / STEPS)) / 2 for k in range(1, STEPS + 1)]
+    assert lrs == pytest.approx(cosine)  # cosine from 5e-4 down to its 10% floor
 
 
 # ---------------------------------------------------------------------------------------------- the caller's callback

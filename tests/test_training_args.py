@@ -1,5 +1,5 @@
 """The recipe's training arguments: a run that departs from them is named departure by departure (by
-MaskAnnealCallback, unless check_recipe=False)."""
+MaskAnnealCallback, unless check_recipe=False); the paper's cosine schedule is not a departure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from models import single_thread, tiny_llama  # noqa: F401  (single_thread is an
 from trainer_helpers import TokenDataset, cyclic_language, training_args
 from transformers import Trainer
 
-from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, get_mask_model
+from hf_maskllm import MaskAdamW, MaskAnnealCallback, MaskConfig, MaskTrainingArguments, get_mask_model
+from hf_maskllm.training_args import PAPER_LR_SCHEDULE, recipe_departures
 
 
 def _no_departure_warning(run) -> None:
@@ -42,3 +43,26 @@ def test_plain_training_arguments_are_named_as_departures(tmp_path):
         callbacks=[MaskAnnealCallback(compile_sampling=False, check_recipe=False)],
     )
     _no_departure_warning(quiet.train)
+
+
+def test_the_default_and_the_papers_lr_schedules_are_the_recipe_others_depart(tmp_path):
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    optimizer = MaskAdamW(
+        [{"params": [p for p in mm.parameters() if p.requires_grad], "weight_decay": 0.1}],
+        lr=5e-4, betas=(0.9, 0.95), compile=False,
+    )  # fmt: skip
+
+    def departures(**kwargs) -> list[str]:
+        return recipe_departures(MaskTrainingArguments(output_dir=str(tmp_path), **kwargs), optimizer, mm)
+
+    assert MaskTrainingArguments(output_dir=str(tmp_path)).lr_scheduler_type == "constant"
+    assert departures() == []
+    assert departures(**PAPER_LR_SCHEDULE) == []
+    assert departures(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.2}) == [
+        "LR schedule 'cosine_with_min_lr' (recipe: lr_scheduler_type='constant'; the paper's cosine to 10%, "
+        "lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={'min_lr_rate': 0.1}, is accepted too)"
+    ]
+    assert [d.split(" (")[0] for d in departures(lr_scheduler_type="linear", max_grad_norm=0.0)] == [
+        "LR schedule 'linear'",
+        "gradient clipping at 0.0",
+    ]
