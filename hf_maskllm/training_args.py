@@ -88,7 +88,7 @@ def recipe_departures(args: TrainingArguments, optimizer: Any, mask_model: Any) 
         out.append(f"learning rate {args.learning_rate} (recipe 5e-4)")
     kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
-    recognised = (kind == RECIPE["lr_scheduler_type"]) or (
+    recognised = kind in (RECIPE["lr_scheduler_type"], "constant_with_warmup") or (
         kind == PAPER_LR_SCHEDULE["lr_scheduler_type"]
         and kwargs.get("min_lr_rate") == PAPER_LR_SCHEDULE["lr_scheduler_kwargs"]["min_lr_rate"]
     )
@@ -96,6 +96,12 @@ def recipe_departures(args: TrainingArguments, optimizer: Any, mask_model: Any) 
         out.append(
             f"LR schedule {kind!r} (recipe: lr_scheduler_type='constant'; the paper's cosine to 10%, "
             "lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={'min_lr_rate': 0.1}, is accepted too)"
+        )
+    warmup = float(getattr(args, "warmup_steps", 0) or 0) + float(getattr(args, "warmup_ratio", 0) or 0)
+    if kind == "constant" and warmup > 0:
+        out.append(
+            "warm-up requested, but transformers ignores it with lr_scheduler_type='constant': "
+            "use lr_scheduler_type='constant_with_warmup'"
         )
     if float(args.max_grad_norm) != RECIPE["max_grad_norm"]:
         out.append(f"gradient clipping at {args.max_grad_norm} (recipe 1.0)")

@@ -62,6 +62,11 @@ def test_the_default_and_the_papers_lr_schedules_are_the_recipe_others_depart(tm
         "LR schedule 'cosine_with_min_lr' (recipe: lr_scheduler_type='constant'; the paper's cosine to 10%, "
         "lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={'min_lr_rate': 0.1}, is accepted too)"
     ]
+    assert departures(warmup_steps=5) == [  # transformers' constant schedule drops warm-up silently
+        "warm-up requested, but transformers ignores it with lr_scheduler_type='constant': "
+        "use lr_scheduler_type='constant_with_warmup'"
+    ]
+    assert departures(lr_scheduler_type="constant_with_warmup", warmup_steps=5) == []
     assert [d.split(" (")[0] for d in departures(lr_scheduler_type="linear", max_grad_norm=0.0)] == [
         "LR schedule 'linear'",
         "gradient clipping at 0.0",
