@@ -25,7 +25,6 @@ RECIPE: dict[str, Any] = {
     "adam_beta1": 0.9,
     "adam_beta2": 0.95,
     "lr_scheduler_type": "constant",
-    "lr_scheduler_kwargs": {},
     "max_grad_norm": 1.0,
 }
 # The MaskLLM reference's schedule: cosine decay from the peak to 10% of it. Pass these two arguments
@@ -55,10 +54,6 @@ class MaskTrainingArguments(TrainingArguments):
     lr_scheduler_type: str = field(
         default=RECIPE["lr_scheduler_type"],
         metadata={"help": "Constant (the recipe's; the paper's: 'cosine_with_min_lr' with min_lr_rate 0.1)."},
-    )
-    lr_scheduler_kwargs: dict | str | None = field(
-        default_factory=lambda: dict(RECIPE["lr_scheduler_kwargs"]),
-        metadata={"help": "Scheduler arguments (the paper's cosine: {'min_lr_rate': 0.1})."},
     )
 
 
