@@ -125,6 +125,21 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
         {"learning_rate": 7e-4},
     ),
+    "lm-tau2-alpha4-constlr7e-4": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 7e-4",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 7e-4},
+    ),
+    "lm-tau2-alpha4-constlr1e-3": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 1e-3",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 1e-3},
+    ),
+    "lm-tau2-alpha3.5-constlr": (
+        "LM loss, tau 2 -> 0.05, prior strength 3.5, constant learning rate",
+        {"tau": (2.0, 0.05), "prior_strength": 3.5},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+    ),
     "lm-tau2-alpha4+kl0.1": (
         "tau 2 -> 0.05, prior strength 4, + 0.1 x logit KL",
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 0.1},
