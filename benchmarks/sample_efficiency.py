@@ -140,6 +140,11 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 3.5},
         {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
     ),
+    "lm-tau2-alpha4-constlr-accum2": (
+        "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+    ),
     "lm-tau2-alpha4+kl0.1": (
         "tau 2 -> 0.05, prior strength 4, + 0.1 x logit KL",
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 0.1},
@@ -215,6 +220,13 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
+    # micro-batches split a step's sequences (a fresh mask sample each), the tokens per step stay the same
+    accumulation = learn_kwargs.get("gradient_accumulation_steps", 1)
+    if args.batch_size % accumulation:
+        raise SystemExit(
+            f"{key}: --batch-size {args.batch_size} does not split into {accumulation} micro-batches"
+        )
+    batch_size = args.batch_size // accumulation
     tokens_per_step = args.batch_size * args.seqlen
     steps: list[float] = []
     curve: list[tuple[int, float]] = []
@@ -233,7 +245,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     before = rss_bytes()
     start = time.perf_counter()
     trainer = learn_mask(
-        mask_model, train, max_steps=args.steps, batch_size=args.batch_size, logging_steps=1,
+        mask_model, train, max_steps=args.steps, batch_size=batch_size, logging_steps=1,
         disable_tqdm=True, seed=0, callbacks=[Measure()], **learn_kwargs,
     )  # fmt: skip
     seconds = time.perf_counter() - start
