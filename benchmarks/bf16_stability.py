@@ -76,6 +76,7 @@ def main() -> None:
         max_steps=args.steps,
         learning_rate=args.lr,
         batch_size=args.batch_size,
+        gradient_accumulation_steps=1,  # one forward (and mask sample) per step, as measured
         logging_steps=1,
         bf16=True,  # autocast bf16 (also on CPU)
         disable_tqdm=True,

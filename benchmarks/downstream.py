@@ -115,6 +115,7 @@ def _learn(mm: MaskModel, source: Any, tokenizer: Any, args: Any, steps: int, ou
         max_steps=steps,
         learning_rate=args.lr,
         batch_size=args.batch_size,
+        gradient_accumulation_steps=1,  # one forward (and mask sample) per step, as measured
         output_dir=str(output_dir),
         seed=args.seed,
         logging_steps=max(1, steps // 10),

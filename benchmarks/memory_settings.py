@@ -150,6 +150,7 @@ def main() -> None:
             max_steps=args.steps,
             learning_rate=args.lr,
             batch_size=args.batch_size,
+            gradient_accumulation_steps=1,  # one forward (and mask sample) per step, as measured
             logging_steps=max(1, args.steps // 10),
             disable_tqdm=True,
             callbacks=[FiniteLogits()],

@@ -153,7 +153,7 @@ def step_learn(work: Path, shape: dict, steps: int = 3, seqlen: int = 128) -> di
     ids = torch.randint(0, shape["vocab_size"], (steps, seqlen), generator=torch.Generator().manual_seed(2))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     start = time.perf_counter()
-    trainer = learn_mask(mask_model, data, max_steps=steps, batch_size=1, output_dir=str(work / "learn"),
+    trainer = learn_mask(mask_model, data, max_steps=steps, batch_size=1, gradient_accumulation_steps=1, output_dir=str(work / "learn"),
                          logging_steps=1, disable_tqdm=True, save_strategy="no")  # fmt: skip
     seconds = time.perf_counter() - start
     state = training_state_bytes(mask_model, trainer.optimizer, trainer.callback_handler.callbacks)

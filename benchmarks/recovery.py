@@ -262,6 +262,7 @@ def main() -> None:
         start = time.perf_counter()
         trainer = learn_mask(
             mm, train, max_steps=args.learn_steps, learning_rate=args.learn_lr, batch_size=args.batch_size,
+            gradient_accumulation_steps=1,  # one forward (and mask sample) per step, as measured
             output_dir=str(tmp / "learn"), seed=0, logging_steps=max(1, args.learn_steps // 10),
             disable_tqdm=True,
         )  # fmt: skip

@@ -7,7 +7,8 @@
 For each model: the dense model's and a SparseGPT 2:4 prior's held-out perplexity (Wikipedia and news,
 ``--eval-windows`` x 512 tokens), the prior saved once; then every variant learns from that prior with
 ``learn_mask`` for ``--steps`` steps of ``--batch-size`` x ``--seqlen`` Wikipedia training tokens (the
-same tokens in the same order, seed 0), each in its own process (``--jobs`` at once, one thread each
+same tokens in the same order, seed 0; one forward, and so one mask sample, per step unless a variant
+splits the step into micro-batches), each in its own process (``--jobs`` at once, one thread each
 unless ``OMP_NUM_THREADS`` says otherwise). Per variant: final held-out perplexity and the share of the
 prior-to-dense gap it closes; the Wikipedia perplexity every ``--curve-every`` steps (on
 ``--curve-windows`` windows, hard masks; evaluation draws no random numbers, so the curve does not
@@ -24,7 +25,8 @@ Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BO
 and the Gemma-3 prior-strength run write ``sample_efficiency_schedule`` and ``sample_efficiency_gemma_prior``;
 the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_efficiency_init`` and
 ``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
-``sample_efficiency_150steps_lr``).
+``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
+sample per sequence ``sample_efficiency_accum`` and ``sample_efficiency_gemma_accum``).
 """
 
 from __future__ import annotations
@@ -216,12 +218,18 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     model, tokenizer = _load(model_name, args.cache)
     label, fields, overrides = VARIANTS[key]
     fields = {**PAPER_SCHEDULE, **fields}  # every variant changes the paper's recipe as its fields say
-    learn_kwargs = {"learning_rate": args.lr, **PAPER_LR_SCHEDULE, **overrides}
+    # one forward (and mask sample) per step of --batch-size sequences unless a variant splits it
+    learn_kwargs = {
+        "learning_rate": args.lr,
+        "gradient_accumulation_steps": 1,
+        **PAPER_LR_SCHEDULE,
+        **overrides,
+    }
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
     # micro-batches split a step's sequences (a fresh mask sample each), the tokens per step stay the same
-    accumulation = learn_kwargs.get("gradient_accumulation_steps", 1)
+    accumulation = learn_kwargs["gradient_accumulation_steps"]
     if args.batch_size % accumulation:
         raise SystemExit(
             f"{key}: --batch-size {args.batch_size} does not split into {accumulation} micro-batches"

@@ -208,7 +208,7 @@ def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step
     timer = StepTimer(sync)
     log(f"real run: {args.run_steps} steps of learn_mask")
     learn_mask(
-        mask_model, train, max_steps=args.run_steps, batch_size=batch, bf16=args.bf16, disable_tqdm=True,
+        mask_model, train, max_steps=args.run_steps, batch_size=batch, gradient_accumulation_steps=1, bf16=args.bf16, disable_tqdm=True,
         logging_steps=args.run_steps, callbacks=[timer],
     )  # fmt: skip
     mask_model.train()

@@ -36,10 +36,10 @@ def main() -> None:
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.print_trainable_parameters()
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=256)
-    training_args = MaskTrainingArguments(  # the recipe's lr (constant), weight decay, betas, clipping
+    # the recipe's lr (constant), weight decay, betas, clipping and micro-batches of one sequence (two per step)
+    training_args = MaskTrainingArguments(
         output_dir=args.output,
         max_steps=args.steps,
-        per_device_train_batch_size=2,
         logging_steps=5,
         save_strategy="no",
         report_to=[],

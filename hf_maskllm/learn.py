@@ -32,8 +32,8 @@ def learn_mask(
     train_dataset: Any,
     max_steps: int,
     learning_rate: float = 5e-4,
-    batch_size: int = 2,
-    gradient_accumulation_steps: int = 1,
+    batch_size: int = 1,
+    gradient_accumulation_steps: int = 2,
     output_dir: str | None = None,
     logging_steps: int = 10,
     bf16: bool | None = None,
@@ -47,6 +47,10 @@ def learn_mask(
     """Learn the masks of ``mask_model`` on ``train_dataset`` (``input_ids`` / ``labels`` columns).
 
     Returns the Trainer (its ``state.log_history`` holds loss, tau, kappa, flip rate, max prob).
+    ``batch_size`` sequences go through each forward, which draws one mask sample; a step sums
+    ``gradient_accumulation_steps`` of them. The default, two micro-batches of one sequence, gives every
+    sequence its own sample, as the reference trains (micro-batch 1); a larger ``batch_size`` shares one
+    sample between its sequences, runs faster and learns less per token (docs/training.md).
     The optimizer is :class:`~hf_maskllm.MaskAdamW` (betas (0.9, 0.95), weight decay 0.1 on the
     logits); ``optimizer_cls_and_kwargs`` replaces it (as in ``Trainer``; e.g. ``(torch.optim.AdamW,
     {"lr": 5e-4, "betas": (0.9, 0.95)})`` for the reference setting with fp32 logits).

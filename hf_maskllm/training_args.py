@@ -2,10 +2,12 @@
 
 A plain ``TrainingArguments`` trains the logits with weight decay 0.0, a linear LR schedule and a
 learning rate of 5e-5; the MaskLLM reference trains them with weight decay 0.1, AdamW betas
-(0.9, 0.95), a cosine schedule from 5e-4 down to 10% of it and gradient clipping at 1.0. This class
-changes only those defaults (every argument can still be set), with one departure from the
-reference: the learning rate stays constant at 5e-4, which learns better masks from the same tokens
-(docs/training.md); ``PAPER_LR_SCHEDULE`` holds the reference's cosine schedule. :func:`recipe_departures`
+(0.9, 0.95), a cosine schedule from 5e-4 down to 10% of it, gradient clipping at 1.0 and micro-batches
+of one sequence (each forward draws one mask sample, so every sequence gets its own). This class
+changes only those defaults (every argument can still be set; two micro-batches per step, as
+``learn_mask``), with one departure from the reference: the learning rate stays constant at 5e-4,
+which learns better masks from the same tokens (docs/training.md); ``PAPER_LR_SCHEDULE`` holds the
+reference's cosine schedule. :func:`recipe_departures`
 lists how a run's settings differ from the recipe (``MaskAnnealCallback`` warns with that list; the
 paper's schedule is not a departure).
 """
@@ -26,6 +28,7 @@ RECIPE: dict[str, Any] = {
     "adam_beta2": 0.95,
     "lr_scheduler_type": "constant",
     "max_grad_norm": 1.0,
+    "per_device_train_batch_size": 1,
 }
 # The MaskLLM reference's schedule: cosine decay from the peak to 10% of it. Pass these two arguments
 # (``MaskTrainingArguments(**PAPER_LR_SCHEDULE)``, ``learn_mask(..., **PAPER_LR_SCHEDULE)``) to run it.
@@ -54,6 +57,13 @@ class MaskTrainingArguments(TrainingArguments):
     lr_scheduler_type: str = field(
         default=RECIPE["lr_scheduler_type"],
         metadata={"help": "Constant (the recipe's; the paper's: 'cosine_with_min_lr' with min_lr_rate 0.1)."},
+    )
+    per_device_train_batch_size: int = field(
+        default=RECIPE["per_device_train_batch_size"],
+        metadata={"help": "Sequences per micro-batch; each forward draws one mask sample (recipe: 1)."},
+    )
+    gradient_accumulation_steps: int = field(
+        default=2, metadata={"help": "Micro-batches per optimizer step (the tokens per step)."}
     )
 
 
@@ -100,4 +110,10 @@ def recipe_departures(args: TrainingArguments, optimizer: Any, mask_model: Any) 
         )
     if float(args.max_grad_norm) != RECIPE["max_grad_norm"]:
         out.append(f"gradient clipping at {args.max_grad_norm} (recipe 1.0)")
+    batch = int(args.per_device_train_batch_size)
+    if batch != RECIPE["per_device_train_batch_size"]:
+        out.append(
+            f"micro-batches of {batch} sequences share one mask sample (recipe: one sample per sequence, "
+            "per_device_train_batch_size=1; raise gradient_accumulation_steps for more tokens per step)"
+        )
     return out

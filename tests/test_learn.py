@@ -61,9 +61,9 @@ def test_readme_snippet_and_learn_mask_run_the_same_recipe(tmp_path):
     trainer_a = holder["trainer"]
     # the README's snippet: MaskTrainingArguments + MaskAdamW + MaskAnnealCallback on a plain Trainer
     b = get_mask_model(tiny_llama(), MaskConfig())
-    args = MaskTrainingArguments(output_dir=str(tmp_path / "b"), max_steps=STEPS, per_device_train_batch_size=2,
-                                 seed=0, data_seed=0, use_cpu=True, disable_tqdm=True, report_to="none",
-                                 save_strategy="no", logging_steps=10)  # fmt: skip
+    args = MaskTrainingArguments(output_dir=str(tmp_path / "b"), max_steps=STEPS, seed=0, data_seed=0,
+                                 use_cpu=True, disable_tqdm=True, report_to="none", save_strategy="no",
+                                 logging_steps=10)  # fmt: skip
     rec_b = Recorder()
     trainer_b = Trainer(
         model=b,
@@ -93,6 +93,30 @@ def test_the_papers_lr_schedule_is_one_argument_away_and_not_a_departure(tmp_pat
     lrs = [lr for lr, _, _ in rec.steps]
     cosine = [5e-5 + (5e-4 - 5e-5) * (1 + math.cos(math.pi * k / STEPS)) / 2 for k in range(1, STEPS + 1)]
     assert lrs == pytest.approx(cosine)  # cosine from 5e-4 down to its 10% floor
+
+
+def test_by_default_every_sequence_has_its_own_forward_and_mask_sample(tmp_path):
+    """Two micro-batches of one sequence per step (a training forward draws a new sample each call:
+    tests/adapters/test_model.py); a larger batch_size is one forward per micro-batch, named as a departure."""
+    mm = get_mask_model(tiny_llama(), MaskConfig())
+    rows: list[int] = []
+    handle = mm.base_model.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: rows.append(out.shape[0])
+    )
+    data = TokenDataset(cyclic_language(16, seed=3))
+    try:
+        _no_departure_warning(lambda: learn_mask(mm, data, max_steps=3, output_dir=str(tmp_path / "a"),
+                                                 compile_sampling=False, disable_tqdm=True))  # fmt: skip
+        assert rows == [1] * 6  # 3 steps x 2 micro-batches of one sequence
+        assert mm.training_summary["optimizer_steps"] == 3
+        rows.clear()
+        with pytest.warns(UserWarning, match="micro-batches of 2 sequences share one mask sample"):
+            learn_mask(get_mask_model(tiny_llama(), MaskConfig()), data, max_steps=1, batch_size=2,
+                       gradient_accumulation_steps=1, output_dir=str(tmp_path / "b"), compile_sampling=False,
+                       disable_tqdm=True)  # fmt: skip
+    finally:
+        handle.remove()
+    assert rows == []  # the second model's forwards are not hooked
 
 
 # ---------------------------------------------------------------------------------------------- the caller's callback
