@@ -2,7 +2,8 @@
 
 The CLI's main job, the examples and the quality benchmark all call this function, so there is
 one training recipe. Defaults follow the MaskLLM reference implementation: only the logits train,
-AdamW betas (0.9, 0.95), weight decay 0.1 on the logits, lr 5e-4, grad clip 1.0
+micro-batches of one sequence (each with its own mask sample), AdamW betas (0.9, 0.95), weight decay
+0.1 on the logits, lr 5e-4, grad clip 1.0
 (:class:`~hf_maskllm.MaskTrainingArguments`), tau and kappa annealed by :class:`MaskAnnealCallback`;
 the learning rate stays constant where the reference decays it to 10% with a cosine
 (``learn_mask(..., **hf_maskllm.training_args.PAPER_LR_SCHEDULE)`` runs the reference's).
@@ -50,7 +51,8 @@ def learn_mask(
     ``batch_size`` sequences go through each forward, which draws one mask sample; a step sums
     ``gradient_accumulation_steps`` of them. The default, two micro-batches of one sequence, gives every
     sequence its own sample, as the reference trains (micro-batch 1); a larger ``batch_size`` shares one
-    sample between its sequences, runs faster and learns less per token (docs/training.md).
+    sample between its sequences and runs faster, and is named as a departure from the recipe (its
+    quality per token: docs/training.md).
     The optimizer is :class:`~hf_maskllm.MaskAdamW` (betas (0.9, 0.95), weight decay 0.1 on the
     logits); ``optimizer_cls_and_kwargs`` replaces it (as in ``Trainer``; e.g. ``(torch.optim.AdamW,
     {"lr": 5e-4, "betas": (0.9, 0.95)})`` for the reference setting with fp32 logits).
