@@ -25,7 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 KERNEL = "hf-maskllm-notebook"
-BUDGET_CELL = "STEPS, BATCH, SEQLEN = "
+BUDGET_CELL = "STEPS, SEQS, SEQLEN = "
 
 
 def _kernelspec(folder: Path) -> None:

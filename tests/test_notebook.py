@@ -46,8 +46,8 @@ def test_notebook_is_stored_with_the_outputs_of_a_full_run():
     )
     outputs = [out for cell in code for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
-    budget = next(cell.source for cell in code if "STEPS, BATCH, SEQLEN = " in cell.source)
-    steps = int(budget.split("STEPS, BATCH, SEQLEN = ")[1].split(",")[0])
+    budget = next(cell.source for cell in code if "STEPS, SEQS, SEQLEN = " in cell.source)
+    steps = int(budget.split("STEPS, SEQS, SEQLEN = ")[1].split(",")[0])
     assert f"learned mask after {steps} steps" in _stream_text(nb)  # the stored run used the stored budget
     assert any("image/png" in out.get("data", {}) for out in outputs), "the training curve is not stored"
 
