@@ -26,7 +26,8 @@ and the Gemma-3 prior-strength run write ``sample_efficiency_schedule`` and ``sa
 the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_efficiency_init`` and
 ``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
-sample per sequence ``sample_efficiency_accum`` and ``sample_efficiency_gemma_accum``).
+sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
+``sample_efficiency_150steps_accum``).
 """
 
 from __future__ import annotations
