@@ -109,14 +109,12 @@ def test_by_default_every_sequence_has_its_own_forward_and_mask_sample(tmp_path)
                                                  compile_sampling=False, disable_tqdm=True))  # fmt: skip
         assert rows == [1] * 6  # 3 steps x 2 micro-batches of one sequence
         assert mm.training_summary["optimizer_steps"] == 3
-        rows.clear()
         with pytest.warns(UserWarning, match="micro-batches of 2 sequences share one mask sample"):
             learn_mask(get_mask_model(tiny_llama(), MaskConfig()), data, max_steps=1, batch_size=2,
                        gradient_accumulation_steps=1, output_dir=str(tmp_path / "b"), compile_sampling=False,
                        disable_tqdm=True)  # fmt: skip
     finally:
         handle.remove()
-    assert rows == []  # the second model's forwards are not hooked
 
 
 # ---------------------------------------------------------------------------------------------- the caller's callback
