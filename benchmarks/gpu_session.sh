@@ -6,7 +6,7 @@
 #   1. GPU correctness: tests/kernels/test_ops_gpu.py (CUDA graphs + compile first, every route, every config)
 #   2. benchmarks/gpu_kernels.py --quick: per-layer timings of every route vs cuBLAS and cuSPARSELt
 #   3. benchmarks/generate.py: dense vs 2:4 generation on the 8B shape at batch 1 (the end-to-end target)
-#   4. benchmarks/train_step.py --model llama-1b: masked vs frozen dense training step (issue 6's ratio)
+#   4. benchmarks/train_step.py --model llama-1b: masked vs frozen dense training step, one sequence per step
 #
 #   bash benchmarks/gpu_session.sh        # on the device; results land in $OUT (or benchmarks/results/gpu)
 #
@@ -54,6 +54,6 @@ grep -q "skipped" "$OUT/test_kernels_gpu.log" && echo "== test_kernels_gpu: SOME
 step kernels 170 "$PY" benchmarks/gpu_kernels.py --quick --out "$OUT/gpu_kernels.md"
 step generate 200 "$PY" benchmarks/generate.py --models 8b --batches 1 --new-tokens 128 --budget-s 30 \
     --out "$OUT/generate.md"
-step train_step 120 "$PY" benchmarks/train_step.py --model llama-1b --device cuda --bf16 --shapes 1x4096 \
+step train_step 120 "$PY" benchmarks/train_step.py --model llama-1b --device cuda --bf16 --shapes 1x4096 --micro-batches 1 \
     --modes dense,masked --repeats 3
 cat "$OUT/steps.txt"

@@ -18,9 +18,13 @@ of an actual run, with dense steps timed in the same process before and after it
 own process. Results: ``--out`` .md and .json, headed by the command, date, machine (CPU model and
 the CPU flags its kernels use; the GPU with ``--device cuda``), versions and git commit.
 
+A step is ``--micro-batches`` forwards (default 2, as ``learn_mask``: each sequence of a ``2x256`` step
+gets its own forward and mask sample), then one optimizer step; the dense step is split the same way.
+
 Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256 --repeats 3 --threads 2 --bf16]
-GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda`` (Llama-3.2-1B shape,
-random weights: the step's cost does not depend on the weights' values; no real run there).
+GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda --micro-batches 1``
+(Llama-3.2-1B shape, random weights: the step's cost does not depend on the weights' values; no real
+run there).
 """
 
 from __future__ import annotations
@@ -113,15 +117,16 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
     ids = torch.randint(
         0, model.config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0)
     )
-    ids = ids.to(device)
+    micro = ids.to(device).chunk(args.micro_batches)  # one forward (one mask sample) per micro-batch
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=args.bf16)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def dense_step() -> None:
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        with autocast:
-            loss = model(inputs_embeds=embeds, labels=ids).loss
-        loss.backward()
+        for ids in micro:
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+            with autocast:
+                loss = model(inputs_embeds=embeds, labels=ids).loss
+            (loss / len(micro)).backward()
 
     def timed(fn) -> float:
         sync()
@@ -148,9 +153,10 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=compiled)
 
         def masked_step() -> None:
-            with autocast:
-                loss = mask_model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            for ids in micro:
+                with autocast:
+                    loss = mask_model(input_ids=ids, labels=ids).loss
+                (loss / len(micro)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -208,7 +214,8 @@ def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step
     timer = StepTimer(sync)
     log(f"real run: {args.run_steps} steps of learn_mask")
     learn_mask(
-        mask_model, train, max_steps=args.run_steps, batch_size=batch, gradient_accumulation_steps=1, bf16=args.bf16, disable_tqdm=True,
+        mask_model, train, max_steps=args.run_steps, batch_size=batch // args.micro_batches,
+        gradient_accumulation_steps=args.micro_batches, bf16=args.bf16, disable_tqdm=True,
         logging_steps=args.run_steps, callbacks=[timer],
     )  # fmt: skip
     mask_model.train()
@@ -222,6 +229,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="forwards per step, each of batch / this many sequences with its own mask sample (learn_mask's "
+        "default: 2 micro-batches of one sequence); the dense step is split the same way",
+    )
     parser.add_argument(
         "--modes",
         default="dense,masked",
@@ -242,6 +256,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.run_steps is None:
         args.run_steps = 10 if args.model == "smollm2" else 0
+    for shape in args.shapes.split(","):
+        if int(shape.split("x")[0]) % args.micro_batches:
+            raise SystemExit(
+                f"--shapes {shape}: the batch does not split into {args.micro_batches} micro-batches"
+            )
     if args.child:
         batch, seqlen = (int(v) for v in args.shapes.split("x"))
         print(json.dumps(child(args.child, batch, seqlen, args)))
@@ -283,6 +302,8 @@ def child_args(args, shape: str) -> list[str]:
         str(args.repeats),
         "--threads",
         str(args.threads),
+        "--micro-batches",
+        str(args.micro_batches),
     ]
     out += ["--run-steps", str(args.run_steps), "--device", args.device, "--model", args.model]
     return out + (["--bf16"] if args.bf16 else [])
@@ -331,7 +352,9 @@ def write_results(args, results: list[dict]) -> None:
         "",
         "Schedule points: the masked step at each tau with the kappa that the paper's linear schedules pair "
         "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the paper's strength "
-        f"(alpha 3); median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
+        f"(alpha 3); each step {args.micro_batches} micro-batch(es) of batch / {args.micro_batches} sequences "
+        "(one forward and mask sample each; the dense step split the same way) and one optimizer step; "
+        f"median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
         "process (dense: median of all of them). The masked step includes the MaskAdamW step.",
         "",
         "| tokens / step | step | tau | kappa | median s | vs dense |",
