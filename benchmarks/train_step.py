@@ -231,10 +231,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
     parser.add_argument(
         "--micro-batches",
-        type=int,
-        default=2,
+        default="2",
         help="forwards per step, each of batch / this many sequences with its own mask sample (learn_mask's "
-        "default: 2 micro-batches of one sequence); the dense step is split the same way",
+        "default: 2 micro-batches of one sequence); the dense step is split the same way. Comma separated: "
+        "each count measured in turn, in one run",
     )
     parser.add_argument(
         "--modes",
@@ -256,11 +256,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.run_steps is None:
         args.run_steps = 10 if args.model == "smollm2" else 0
+    try:
+        micro_batches = [int(v) for v in str(args.micro_batches).split(",")]
+    except ValueError:
+        raise SystemExit(f"--micro-batches must be positive integers, got {args.micro_batches!r}") from None
     for shape in args.shapes.split(","):
-        if int(shape.split("x")[0]) % args.micro_batches:
-            raise SystemExit(
-                f"--shapes {shape}: the batch does not split into {args.micro_batches} micro-batches"
-            )
+        for count in micro_batches:
+            if count < 1 or int(shape.split("x")[0]) % count:
+                raise SystemExit(f"--shapes {shape}: the batch does not split into {count} micro-batches")
+    args.micro_batches = micro_batches[0] if args.child else micro_batches
     if args.child:
         batch, seqlen = (int(v) for v in args.shapes.split("x"))
         print(json.dumps(child(args.child, batch, seqlen, args)))
@@ -273,8 +277,8 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         batch, seqlen = (int(v) for v in shape.split("x"))
-        for mode in measured:
-            cmd = [sys.executable, __file__, "--child", mode, *child_args(args, shape)]
+        for count, mode in [(c, m) for c in args.micro_batches for m in measured]:
+            cmd = [sys.executable, __file__, "--child", mode, *child_args(args, shape, count)]
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress: on stderr
             if proc.returncode != 0:
                 raise SystemExit(
@@ -284,6 +288,7 @@ def main() -> None:
                 {
                     "shape": shape,
                     "tokens": batch * seqlen,
+                    "micro_batches": count,
                     "mode": mode,
                     **json.loads(proc.stdout.splitlines()[-1]),
                 }
@@ -292,7 +297,7 @@ def main() -> None:
     write_results(args, results)
 
 
-def child_args(args, shape: str) -> list[str]:
+def child_args(args, shape: str, micro_batches: int) -> list[str]:
     out = [
         "--shapes",
         shape,
@@ -303,7 +308,7 @@ def child_args(args, shape: str) -> list[str]:
         "--threads",
         str(args.threads),
         "--micro-batches",
-        str(args.micro_batches),
+        str(micro_batches),
     ]
     out += ["--run-steps", str(args.run_steps), "--device", args.device, "--model", args.model]
     return out + (["--bf16"] if args.bf16 else [])
@@ -352,21 +357,21 @@ def write_results(args, results: list[dict]) -> None:
         "",
         "Schedule points: the masked step at each tau with the kappa that the paper's linear schedules pair "
         "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the paper's strength "
-        f"(alpha 3); each step {args.micro_batches} micro-batch(es) of batch / {args.micro_batches} sequences "
-        "(one forward and mask sample each; the dense step split the same way) and one optimizer step; "
+        "(alpha 3); each step is its micro-batches (one forward and mask sample each; the dense step split the "
+        "same way) and one optimizer step; "
         f"median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
         "process (dense: median of all of them). The masked step includes the MaskAdamW step.",
         "",
-        "| tokens / step | step | tau | kappa | median s | vs dense |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| tokens / step | micro-batches | step | tau | kappa | median s | vs dense |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in results:
         dense = statistics.median(r["dense"])
-        lines.append(f"| {r['tokens']} | {MODES['dense']} | | | {dense:.2f} | 1.00x |")
+        lines.append(f"| {r['tokens']} | {r['micro_batches']} | {MODES['dense']} | | | {dense:.2f} | 1.00x |")
         for p in r.get("points", []):
             sec = statistics.median(p["seconds"])
             lines.append(
-                f"| {r['tokens']} | {MODES[r['mode']]} | {p['tau']:g} | {p['kappa']:.0f} | {sec:.2f} | "
+                f"| {r['tokens']} | {r['micro_batches']} | {MODES[r['mode']]} | {p['tau']:g} | {p['kappa']:.0f} | {sec:.2f} | "
                 f"**{sec / dense:.2f}x** |"
             )
     runs = [r for r in results if "run" in r]
@@ -379,9 +384,9 @@ def write_results(args, results: list[dict]) -> None:
             "Compiled code is reset before the run, as in a fresh process; mean over the steps after the first "
             "two (the first compiles).",
             "",
-            "| tokens / step | dense median s | run: mean s (steps 3+) | vs dense | last step s (tau) | "
+            "| tokens / step | micro-batches | dense median s | run: mean s (steps 3+) | vs dense | last step s (tau) | "
             "mean of last 3 | vs dense |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in runs:
             steps, dense = r["run"]["steps"], statistics.median(r["run"]["dense"])
@@ -389,20 +394,23 @@ def write_results(args, results: list[dict]) -> None:
             last3 = statistics.mean(s["seconds"] for s in steps[-3:])
             mean = statistics.mean(warm)
             lines.append(
-                f"| {r['tokens']} | {dense:.2f} | {mean:.2f} | **{mean / dense:.2f}x** | "
+                f"| {r['tokens']} | {r['micro_batches']} | {dense:.2f} | {mean:.2f} | **{mean / dense:.2f}x** | "
                 f"{steps[-1]['seconds']:.2f} ({steps[-1]['tau']:.3g}) | {last3:.2f} | **{last3 / dense:.2f}x** |"
             )
             per_step = ", ".join(f"{s['seconds']:.2f} (tau {s['tau']:.3g})" for s in steps)
-            lines += ["", f"Steps of the {r['tokens']}-token run, s: {per_step}."]
+            lines += [
+                "",
+                f"Steps of the {r['tokens']}-token run in {r['micro_batches']} micro-batch(es), s: {per_step}.",
+            ]
     spreads = ", ".join(
-        f"{r['mode']} {min(r['dense']):.2f}-{max(r['dense']):.2f} s (+{max(r['dense']) / min(r['dense']) - 1:.0%})"
+        f"{r['mode']} x{r['micro_batches']} {min(r['dense']):.2f}-{max(r['dense']):.2f} s (+{max(r['dense']) / min(r['dense']) - 1:.0%})"
         for r in results
     )
     lines += ["", f"Machine noise: the dense steps of each process ranged {spreads}. The same step on an idle "
               "machine repeats within a few percent; a wider range means other load on the host, and ratios "
               "from such a run are less certain."]  # fmt: skip
     lines += ["", "Peak RSS per process: " + ", ".join(
-        f"{r['shape']} {r['mode']} {r['peak_rss_gib']:.2f} GiB" for r in results
+        f"{r['shape']} {r['mode']} x{r['micro_batches']} {r['peak_rss_gib']:.2f} GiB" for r in results
     ) + "; logits, their gradients and the optimizer state (no callback in these timed steps): " + ", ".join(
         f"{r['state_bytes_per_weight']:.2f} B / masked weight" for r in results if r.get("state_bytes_per_weight")
     ) + "."]  # fmt: skip
