@@ -252,8 +252,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model", default="smollm2", help="smollm2 (real, embedded) or llama-1b (random)")
     parser.add_argument("--out", default="benchmarks/results/train_step", help="results path without suffix")
+    parser.add_argument("--render", help="only rewrite the .md (at --out) from this results .json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        info = {k: saved[k] for k in ("command", "date", "machine", "versions", "git_commit")}
+        run_args = argparse.Namespace(**{**saved["args"], "out": args.out})
+        write_results(run_args, saved["results"], info, saved.get("gpu") or {})
+        return
     if args.run_steps is None:
         args.run_steps = 10 if args.model == "smollm2" else 0
     try:
@@ -336,17 +343,19 @@ def summarize(r: dict) -> dict:
     return out
 
 
-def write_results(args, results: list[dict]) -> None:
+def write_results(args, results: list[dict], info: dict | None = None, gpu: dict | None = None) -> None:
+    """The .md table and the .json of ``results``; ``info`` / ``gpu``: a saved run's header (``--render``)."""
     for r in results:
         r["summary"] = summarize(r)
     title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
         args.model
     ]
     where = args.device if args.device != "cpu" else f"{results[0]['threads']} CPU threads"
-    info = run_info("benchmarks/train_step.py")
-    gpu = gpu_info(args.device) if torch.device(args.device).type == "cuda" else {}
-    if gpu:
-        info["versions"].update(cuda=gpu["cuda"], triton=gpu["triton"])
+    if info is None:
+        info = run_info("benchmarks/train_step.py")
+        gpu = gpu_info(args.device) if torch.device(args.device).type == "cuda" else {}
+        if gpu:
+            info["versions"].update(cuda=gpu["cuda"], triton=gpu["triton"])
     compute = "bf16 autocast" if args.bf16 else "float32 compute"
     lines = [
         f"# Masked training step vs frozen dense step over the schedule: {title}",
@@ -388,6 +397,7 @@ def write_results(args, results: list[dict]) -> None:
             "mean of last 3 | vs dense |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        per_run = []
         for r in runs:
             steps, dense = r["run"]["steps"], statistics.median(r["run"]["dense"])
             warm = [s["seconds"] for s in steps[2:]] or [s["seconds"] for s in steps]
@@ -398,10 +408,11 @@ def write_results(args, results: list[dict]) -> None:
                 f"{steps[-1]['seconds']:.2f} ({steps[-1]['tau']:.3g}) | {last3:.2f} | **{last3 / dense:.2f}x** |"
             )
             per_step = ", ".join(f"{s['seconds']:.2f} (tau {s['tau']:.3g})" for s in steps)
-            lines += [
+            per_run += [
                 "",
                 f"Steps of the {r['tokens']}-token run in {r['micro_batches']} micro-batch(es), s: {per_step}.",
             ]
+        lines += per_run
     spreads = ", ".join(
         f"{r['mode']} x{r['micro_batches']} {min(r['dense']):.2f}-{max(r['dense']):.2f} s (+{max(r['dense']) / min(r['dense']) - 1:.0%})"
         for r in results
