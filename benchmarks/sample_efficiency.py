@@ -27,7 +27,7 @@ the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_ef
 ``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
 sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
-``sample_efficiency_150steps_accum``).
+``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``).
 """
 
 from __future__ import annotations
@@ -146,6 +146,16 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm-tau2-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+    ),
+    "lm-tau2-0.2-alpha4-constlr-accum2": (
+        "LM loss, tau 2 -> 0.2, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
+        {"tau": (2.0, 0.2), "prior_strength": 4.0},
+        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+    ),
+    "lm-tau2-0.5-alpha4-constlr-accum2": (
+        "LM loss, tau 2 -> 0.5, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
+        {"tau": (2.0, 0.5), "prior_strength": 4.0},
         {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
     ),
     "lm-tau2-alpha4+kl0.1": (
