@@ -347,6 +347,7 @@ def write_results(args, results: list[dict], info: dict | None = None, gpu: dict
     """The .md table and the .json of ``results``; ``info`` / ``gpu``: a saved run's header (``--render``)."""
     for r in results:
         r["summary"] = summarize(r)
+        r.setdefault("micro_batches", 1)  # results files written before --micro-batches: one forward per step
     title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
         args.model
     ]
