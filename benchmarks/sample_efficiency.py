@@ -27,7 +27,7 @@ the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_ef
 ``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
 sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
-``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``).
+``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``).
 """
 
 from __future__ import annotations
@@ -148,6 +148,20 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
         {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
     ),
+    **{
+        f"lm-tau2-alpha4-constlr-accum2-seed{seed}": (
+            f"the defaults (tau 2 -> 0.05, strength 4, constant rate, 2 micro-batches of 1 sequence), seed {seed} "
+            "(other training sequences and mask noise)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0},
+            {
+                "lr_scheduler_type": "constant",
+                "lr_scheduler_kwargs": {},
+                "gradient_accumulation_steps": 2,
+                "seed": seed,
+            },
+        )
+        for seed in (1, 2)
+    },
     "lm-tau2-0.2-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.2, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.2), "prior_strength": 4.0},
@@ -233,6 +247,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     learn_kwargs = {
         "learning_rate": args.lr,
         "gradient_accumulation_steps": 1,
+        "seed": 0,  # the Trainer's seed and data seed: the training sequences' order and the mask noise
         **PAPER_LR_SCHEDULE,
         **overrides,
     }
@@ -265,7 +280,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     start = time.perf_counter()
     trainer = learn_mask(
         mask_model, train, max_steps=args.steps, batch_size=batch_size, logging_steps=1,
-        disable_tqdm=True, seed=0, callbacks=[Measure()], **learn_kwargs,
+        disable_tqdm=True, callbacks=[Measure()], **learn_kwargs,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     peak = rss_peak_bytes() - before
