@@ -27,7 +27,8 @@ the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_ef
 ``sample_efficiency_lr`` (SmolLM2) and ``sample_efficiency_gemma_lr``; the 150-step run
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
 sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
-``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``).
+``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``, one sample per two sequences at three seeds
+``sample_efficiency_seeds_shared``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
                 "gradient_accumulation_steps": 2,
                 "seed": seed,
             },
+        )
+        for seed in (1, 2)
+    },
+    **{
+        f"lm-tau2-alpha4-constlr-seed{seed}": (
+            f"tau 2 -> 0.05, strength 4, constant rate, one micro-batch of 2 sequences (one mask sample), seed {seed} "
+            "(other training sequences and mask noise)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0},
+            {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "seed": seed},
         )
         for seed in (1, 2)
     },
