@@ -49,6 +49,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # the paper's temperature range and prior strength (the defaults: tau from 2, prior strength 4); the
 # variants also keep the paper's cosine learning-rate decay (the default: constant) unless they set their own
 PAPER_SCHEDULE = {"tau": (4.0, 0.05), "prior_strength": 3.0}
+CONSTANT_LR = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
+PER_SEQUENCE = {**CONSTANT_LR, "gradient_accumulation_steps": 2}  # the defaults: one mask sample per sequence
 VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm": ("language-model loss (the paper)", {}, {}),
     "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}, {}),
@@ -122,7 +124,7 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm-tau2-alpha4-constlr": (
         "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+        CONSTANT_LR,
     ),
     "lm-tau2-alpha4-lr7e-4": (
         "LM loss, tau 2 -> 0.05, prior strength 4, learning rate 7e-4",
@@ -132,34 +134,29 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm-tau2-alpha4-constlr7e-4": (
         "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 7e-4",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 7e-4},
+        {**CONSTANT_LR, "learning_rate": 7e-4},
     ),
     "lm-tau2-alpha4-constlr1e-3": (
         "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate 1e-3",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "learning_rate": 1e-3},
+        {**CONSTANT_LR, "learning_rate": 1e-3},
     ),
     "lm-tau2-alpha3.5-constlr": (
         "LM loss, tau 2 -> 0.05, prior strength 3.5, constant learning rate",
         {"tau": (2.0, 0.05), "prior_strength": 3.5},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}},
+        CONSTANT_LR,
     ),
     "lm-tau2-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.05, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.05), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+        PER_SEQUENCE,
     ),
     **{
         f"lm-tau2-alpha4-constlr-accum2-seed{seed}": (
             f"the defaults (tau 2 -> 0.05, strength 4, constant rate, 2 micro-batches of 1 sequence), seed {seed} "
             "(other training sequences and mask noise)",
             {"tau": (2.0, 0.05), "prior_strength": 4.0},
-            {
-                "lr_scheduler_type": "constant",
-                "lr_scheduler_kwargs": {},
-                "gradient_accumulation_steps": 2,
-                "seed": seed,
-            },
+            {**PER_SEQUENCE, "seed": seed},
         )
         for seed in (1, 2)
     },
@@ -168,19 +165,19 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             f"tau 2 -> 0.05, strength 4, constant rate, one micro-batch of 2 sequences (one mask sample), seed {seed} "
             "(other training sequences and mask noise)",
             {"tau": (2.0, 0.05), "prior_strength": 4.0},
-            {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "seed": seed},
+            {**CONSTANT_LR, "seed": seed},
         )
         for seed in (1, 2)
     },
     "lm-tau2-0.2-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.2, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.2), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+        PER_SEQUENCE,
     ),
     "lm-tau2-0.5-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.5, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.5), "prior_strength": 4.0},
-        {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}, "gradient_accumulation_steps": 2},
+        PER_SEQUENCE,
     ),
     "lm-tau2-alpha4+kl0.1": (
         "tau 2 -> 0.05, prior strength 4, + 0.1 x logit KL",
