@@ -169,6 +169,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         )
         for seed in (1, 2)
     },
+    **{
+        f"lm-tau2-alpha4-constlr-seq512{'' if seed == 0 else f'-seed{seed}'}": (
+            "tau 2 -> 0.05, strength 4, constant rate, one sequence of 512 tokens per step (one mask sample)"
+            + ("" if seed == 0 else f", seed {seed} (other training sequences and mask noise)"),
+            {"tau": (2.0, 0.05), "prior_strength": 4.0},
+            {**CONSTANT_LR, "seqlen": 512, "seed": seed},
+        )
+        for seed in (0, 1, 2)
+    },
     "lm-tau2-0.2-alpha4-constlr-accum2": (
         "LM loss, tau 2 -> 0.2, prior strength 4, constant learning rate, 2 micro-batches of 1 sequence",
         {"tau": (2.0, 0.2), "prior_strength": 4.0},
@@ -258,17 +267,19 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         **PAPER_LR_SCHEDULE,
         **overrides,
     }
+    seqlen = learn_kwargs.pop("seqlen", args.seqlen)  # a variant may cut the same tokens into other sequences
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
-    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=args.seqlen)
+    train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=seqlen)
     # micro-batches split a step's sequences (a fresh mask sample each), the tokens per step stay the same
     accumulation = learn_kwargs["gradient_accumulation_steps"]
-    if args.batch_size % accumulation:
+    tokens_per_step = args.batch_size * args.seqlen  # every variant's budget
+    if tokens_per_step % (seqlen * accumulation):
         raise SystemExit(
-            f"{key}: --batch-size {args.batch_size} does not split into {accumulation} micro-batches"
+            f"{key}: {tokens_per_step} tokens per step do not split into {accumulation} micro-batches "
+            f"of {seqlen}-token sequences"
         )
-    batch_size = args.batch_size // accumulation
-    tokens_per_step = args.batch_size * args.seqlen
+    batch_size = tokens_per_step // (seqlen * accumulation)
     steps: list[float] = []
     curve: list[tuple[int, float]] = []
 
@@ -306,6 +317,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         "label": label,
         "fields": fields,
         "learn_kwargs": learn_kwargs,
+        "seqlen": seqlen,
         "ppl": ppl,
         "curve": curve,
         "seconds": seconds,
