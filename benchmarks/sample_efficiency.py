@@ -50,7 +50,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # variants also keep the paper's cosine learning-rate decay (the default: constant) unless they set their own
 PAPER_SCHEDULE = {"tau": (4.0, 0.05), "prior_strength": 3.0}
 CONSTANT_LR = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
-PER_SEQUENCE = {**CONSTANT_LR, "gradient_accumulation_steps": 2}  # the defaults: one mask sample per sequence
+# one mask sample per sequence (two micro-batches of one), as the reference trains; the defaults share one
+PER_SEQUENCE = {**CONSTANT_LR, "gradient_accumulation_steps": 2}
 VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     "lm": ("language-model loss (the paper)", {}, {}),
     "lm+kl0.1": ("+ 0.1 x logit KL, T=1", {"distill_logits": 0.1}, {}),

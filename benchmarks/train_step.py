@@ -18,11 +18,12 @@ of an actual run, with dense steps timed in the same process before and after it
 own process. Results: ``--out`` .md and .json, headed by the command, date, machine (CPU model and
 the CPU flags its kernels use; the GPU with ``--device cuda``), versions and git commit.
 
-A step is ``--micro-batches`` forwards (default 2, as ``learn_mask``: each sequence of a ``2x256`` step
-gets its own forward and mask sample), then one optimizer step; the dense step is split the same way.
+A step is ``--micro-batches`` forwards (default 1, as ``learn_mask``: one forward and mask sample for
+the step's sequences; 2 splits a ``2x256`` step so each sequence gets its own, as the MaskLLM
+reference trains), then one optimizer step; the dense step is split the same way.
 
 Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256 --repeats 3 --threads 2 --bf16]
-GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda --micro-batches 1``
+GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda``
 (Llama-3.2-1B shape, random weights: the step's cost does not depend on the weights' values; no real
 run there).
 """
@@ -231,10 +232,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="2x256", help="batch x seqlen per step, comma separated")
     parser.add_argument(
         "--micro-batches",
-        default="2",
+        default="1",
         help="forwards per step, each of batch / this many sequences with its own mask sample (learn_mask's "
-        "default: 2 micro-batches of one sequence); the dense step is split the same way. Comma separated: "
-        "each count measured in turn, in one run",
+        "default: 1); the dense step is split the same way. Comma separated: each count measured in turn, "
+        "in one run",
     )
     parser.add_argument(
         "--modes",

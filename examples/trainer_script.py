@@ -36,7 +36,7 @@ def main() -> None:
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.print_trainable_parameters()
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=256)
-    # the recipe's lr (constant), weight decay, betas, clipping and micro-batches of one sequence (two per step)
+    # the recipe's lr (constant), weight decay, betas, clipping and micro-batches of two sequences
     training_args = MaskTrainingArguments(
         output_dir=args.output,
         max_steps=args.steps,

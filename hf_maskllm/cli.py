@@ -92,9 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         help="weight of the normalised MSE to the unmasked model's hidden states after every block (0: off)",
     )
     learn.add_argument(
-        "--batch-size", type=int, default=1, help="sequences per micro-batch (each draws one mask sample)"
+        "--batch-size",
+        type=int,
+        default=2,
+        help="sequences per micro-batch, sharing one mask sample (1: one sample per sequence, as the reference)",
     )
-    learn.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step")
+    learn.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     learn.add_argument("--seqlen", type=int, default=256, help="tokens per training sequence")
     learn.add_argument("--calib-samples", type=int, default=32, help="calibration sequences for the prior")
     learn.add_argument("--calib-seqlen", type=int, default=512)

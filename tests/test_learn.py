@@ -95,26 +95,35 @@ def test_the_papers_lr_schedule_is_one_argument_away_and_not_a_departure(tmp_pat
     assert lrs == pytest.approx(cosine)  # cosine from 5e-4 down to its 10% floor
 
 
-def test_by_default_every_sequence_has_its_own_forward_and_mask_sample(tmp_path):
-    """Two micro-batches of one sequence per step (a training forward draws a new sample each call:
-    tests/adapters/test_model.py); a larger batch_size is one forward per micro-batch, named as a departure."""
-    mm = get_mask_model(tiny_llama(), MaskConfig())
-    rows: list[int] = []
-    handle = mm.base_model.get_input_embeddings().register_forward_hook(
-        lambda mod, args, out: rows.append(out.shape[0])
-    )
+def test_by_default_two_sequences_share_a_forward_and_the_references_sample_per_sequence_is_one_argument_away(
+    tmp_path,
+):
+    """One forward (so one mask sample: a training forward draws a new one each call,
+    tests/adapters/test_model.py) of two sequences per step; ``batch_size=1, gradient_accumulation_steps=2``
+    gives each sequence its own forward, not a departure; a larger batch_size is named as a departure."""
     data = TokenDataset(cyclic_language(16, seed=3))
-    try:
-        _no_departure_warning(lambda: learn_mask(mm, data, max_steps=3, output_dir=str(tmp_path / "a"),
-                                                 compile_sampling=False, disable_tqdm=True))  # fmt: skip
-        assert rows == [1] * 6  # 3 steps x 2 micro-batches of one sequence
-        assert mm.training_summary["optimizer_steps"] == 3
-        with pytest.warns(UserWarning, match="micro-batches of 2 sequences share one mask sample"):
-            learn_mask(get_mask_model(tiny_llama(), MaskConfig()), data, max_steps=1, batch_size=2,
-                       gradient_accumulation_steps=1, output_dir=str(tmp_path / "b"), compile_sampling=False,
-                       disable_tqdm=True)  # fmt: skip
-    finally:
-        handle.remove()
+    seen: dict[str, tuple[list[int], int]] = {}
+
+    def forwards(name: str, **kwargs) -> None:
+        mm = get_mask_model(tiny_llama(), MaskConfig())
+        rows: list[int] = []
+        handle = mm.base_model.get_input_embeddings().register_forward_hook(
+            lambda mod, args, out: rows.append(out.shape[0])
+        )
+        try:
+            learn_mask(mm, data, max_steps=3, output_dir=str(tmp_path / name), compile_sampling=False,
+                       disable_tqdm=True, **kwargs)  # fmt: skip
+        finally:
+            handle.remove()
+        seen[name] = rows, mm.training_summary["optimizer_steps"]
+
+    _no_departure_warning(lambda: forwards("default"))
+    _no_departure_warning(lambda: forwards("reference", batch_size=1, gradient_accumulation_steps=2))
+    with pytest.warns(UserWarning, match="micro-batches of 4 sequences share one mask sample"):
+        forwards("larger", batch_size=4)
+    assert seen["default"] == ([2] * 3, 3)  # 3 steps x one forward of 2 sequences
+    assert seen["reference"] == ([1] * 6, 3)  # 3 steps x 2 micro-batches of one sequence
+    assert seen["larger"] == ([4] * 3, 3)
 
 
 # ---------------------------------------------------------------------------------------------- the caller's callback

@@ -57,7 +57,7 @@ def test_the_default_and_the_papers_lr_schedules_are_the_recipe_others_depart(tm
 
     defaults = MaskTrainingArguments(output_dir=str(tmp_path))
     assert defaults.lr_scheduler_type == "constant"
-    assert (defaults.per_device_train_batch_size, defaults.gradient_accumulation_steps) == (1, 2)
+    assert (defaults.per_device_train_batch_size, defaults.gradient_accumulation_steps) == (2, 1)
     assert departures() == []
     assert departures(**PAPER_LR_SCHEDULE) == []
     assert departures(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.2}) == [
@@ -70,9 +70,10 @@ def test_the_default_and_the_papers_lr_schedules_are_the_recipe_others_depart(tm
     ]
     assert departures(lr_scheduler_type="constant_with_warmup", warmup_steps=5) == []
     assert departures(gradient_accumulation_steps=16) == []  # tokens per step are the budget's
+    assert departures(per_device_train_batch_size=1, gradient_accumulation_steps=2) == []  # the reference's
     assert departures(per_device_train_batch_size=4) == [
-        "micro-batches of 4 sequences share one mask sample (recipe: one sample per sequence, "
-        "per_device_train_batch_size=1; raise gradient_accumulation_steps for more tokens per step)"
+        "micro-batches of 4 sequences share one mask sample (recipe: at most 2 per sample, "
+        "per_device_train_batch_size=2; raise gradient_accumulation_steps for more tokens per step)"
     ]
     assert [d.split(" (")[0] for d in departures(lr_scheduler_type="linear", max_grad_norm=0.0)] == [
         "LR schedule 'linear'",
