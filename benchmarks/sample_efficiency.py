@@ -28,7 +28,7 @@ the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_ef
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
 sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
 ``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``, one sample per two sequences at three seeds
-``sample_efficiency_seeds_shared``).
+``sample_efficiency_seeds_shared``; one 512-token sequence per step at three seeds ``sample_efficiency_seq512``).
 """
 
 from __future__ import annotations
