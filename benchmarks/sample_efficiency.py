@@ -3,6 +3,7 @@
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sample_efficiency.py \
         [--models smollm2,gemma3] [--variants lm,lm+kl0.1,...] [--model-variants gemma3=lm,lm-tau2]
         [--steps 40] [--jobs 2]
+    PYTHONPATH=. python benchmarks/sample_efficiency.py --render benchmarks/results/<stem>.json
 
 For each model: the dense model's and a SparseGPT 2:4 prior's held-out perplexity (Wikipedia and news,
 ``--eval-windows`` x 512 tokens), the prior saved once; then every variant learns from that prior with
@@ -28,7 +29,10 @@ the runs around tau 2 and strength 4 ``sample_efficiency_strength``, ``sample_ef
 ``sample_efficiency_150steps_lr``; around the constant learning rate ``sample_efficiency_constlr``; one mask
 sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum`` and, at 150 steps,
 ``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``, one sample per two sequences at three seeds
-``sample_efficiency_seeds_shared``; one 512-token sequence per step at three seeds ``sample_efficiency_seq512``).
+``sample_efficiency_seeds_shared``; one 512-token sequence per step at three seeds ``sample_efficiency_seq512``;
+on Gemma-3, one sample per sequence against one per two sequences at seeds 1 and 2
+``sample_efficiency_gemma_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
+as the variant table labels it now.
 """
 
 from __future__ import annotations
@@ -154,8 +158,8 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
     ),
     **{
         f"lm-tau2-alpha4-constlr-accum2-seed{seed}": (
-            f"the defaults (tau 2 -> 0.05, strength 4, constant rate, 2 micro-batches of 1 sequence), seed {seed} "
-            "(other training sequences and mask noise)",
+            f"tau 2 -> 0.05, strength 4, constant rate, 2 micro-batches of 1 sequence (a mask sample each), "
+            f"seed {seed} (other training sequences and mask noise)",
             {"tau": (2.0, 0.05), "prior_strength": 4.0},
             {**PER_SEQUENCE, "seed": seed},
         )
@@ -379,7 +383,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads per process")
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "hf_maskllm" / "gemma3-270m"))
     p.add_argument("--out", default=str(RESULTS / "sample_efficiency"))
+    p.add_argument("--render", metavar="JSON", help="only rewrite the .md beside this results .json")
     args = p.parse_args()
+    if args.render:
+        path = Path(args.render)
+        write_markdown(json.loads(path.read_text()), path.with_suffix(""))
+        return
     models = [m for m in args.models.split(",") if m]
     variants = {name: [v for v in args.variants.split(",") if v] for name in models}
     for spec in args.model_variants:
@@ -416,16 +425,22 @@ def main() -> None:
         row["step_vs_lm"] = row["step_seconds_median"] / lm["step_seconds_median"] if lm else None
 
     info = run_info("benchmarks/sample_efficiency.py")
-    tokens = args.steps * args.batch_size * args.seqlen
     payload = {**info, "args": vars(args), "models": per_model, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_markdown(payload, out)
+
+
+def write_markdown(payload: dict, out: Path) -> None:
+    """``out``.md from a run's payload; each row is labelled from ``VARIANTS`` where its key is still there."""
+    args = argparse.Namespace(**payload["args"])
+    tokens = args.steps * args.batch_size * args.seqlen
     lines = [
         "# Quality per token: training objectives from the same prior",
         "",
-        *header_lines(info),
+        *header_lines(payload),
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
@@ -439,8 +454,8 @@ def main() -> None:
         "what its process held before training.",
         "",
     ]
-    for name in models:
-        base = per_model[name]
+    rows = payload["rows"]
+    for name, base in payload["models"].items():
         lines += [
             f"## {name}",
             "",
@@ -452,11 +467,12 @@ def main() -> None:
             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in (r for r in rows if r["model"] == name):
+            label = VARIANTS[r["key"]][0] if r["key"] in VARIANTS else r["label"]
             curve = ", ".join(f"{t // 1000}k: {v:.1f}" for t, v in r["curve"])
             vs = f"{r['step_vs_lm']:.2f}x" if r["step_vs_lm"] else ""
             norm = "none" if r["grad_norm_median"] is None else f"{r['grad_norm_median']:.1f}"
             lines.append(
-                f"| {r['label']} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
+                f"| {label} | {r['ppl']['wikipedia']:.2f} | {r['ppl']['news']:.2f} | "
                 f"{r['gap_closed']['wikipedia']:.1%} / {r['gap_closed']['news']:.1%} | {curve} | "
                 f"{r['groups_moved_from_prior']:.2%} | "
                 f"{r['step_seconds_median']:.2f} s ({r['step_seconds_last_quarter']:.2f} s) | {vs} | "
@@ -464,7 +480,7 @@ def main() -> None:
                 f"{r['peak_rss_above_start_bytes'] / 2**30:.2f} GiB |"
             )
         lines.append("")
-    lines.append(f"Whole run: {(time.perf_counter() - started) / 60:.1f} min wall.")
+    lines.append(f"Whole run: {payload['seconds'] / 60:.1f} min wall.")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
