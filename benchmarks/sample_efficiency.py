@@ -31,7 +31,7 @@ sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum
 ``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``, one sample per two sequences at three seeds
 ``sample_efficiency_seeds_shared``; one 512-token sequence per step at three seeds ``sample_efficiency_seq512``;
 on Gemma-3, one sample per sequence against one per two sequences at seeds 1 and 2
-``sample_efficiency_gemma_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
+``sample_efficiency_gemma_seeds``; straight-through hard samples at three seeds ``sample_efficiency_hard``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
 """
 
@@ -180,6 +180,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             + ("" if seed == 0 else f", seed {seed} (other training sequences and mask noise)"),
             {"tau": (2.0, 0.05), "prior_strength": 4.0},
             {**CONSTANT_LR, "seqlen": 512, "seed": seed},
+        )
+        for seed in (0, 1, 2)
+    },
+    **{
+        f"lm-tau2-alpha4-constlr-hard{'' if seed == 0 else f'-seed{seed}'}": (
+            "tau 2 -> 0.05, strength 4, constant rate, one micro-batch of 2 sequences, straight-through hard samples"
+            + ("" if seed == 0 else f", seed {seed} (other training sequences and mask noise)"),
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "hard": True},
+            {**CONSTANT_LR, "seed": seed},
         )
         for seed in (0, 1, 2)
     },
