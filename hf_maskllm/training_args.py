@@ -65,10 +65,6 @@ class MaskTrainingArguments(TrainingArguments):
             "help": "Sequences per micro-batch; each forward draws one mask sample (recipe: 2; the reference: 1)."
         },
     )
-    gradient_accumulation_steps: int = field(
-        default=1,
-        metadata={"help": "Micro-batches per optimizer step (with the batch size, the tokens per step)."},
-    )
 
 
 def _logit_groups(optimizer: Any, mask_model: Any) -> list[dict[str, Any]]:
