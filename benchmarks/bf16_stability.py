@@ -22,6 +22,7 @@ from run_info import header_lines, run_info
 from transformers import TrainerCallback
 
 from hf_maskllm import MaskConfig, get_mask_model
+from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
 from hf_maskllm.data import causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
@@ -67,7 +68,7 @@ def main() -> None:
 
     model, tokenizer = load_smollm2()
     # bf16 logits (the default) and the paper's recipe: its temperature range passes tau = 2 mid-run
-    mask_model = get_mask_model(model, MaskConfig(prior="magnitude", tau=(4.0, 0.05), prior_strength=3.0))
+    mask_model = get_mask_model(model, MaskConfig(prior="magnitude", **PAPER_MASK_CONFIG))
     watch = FiniteWatch()
     start = time.perf_counter()
     trainer = learn_mask(

@@ -24,6 +24,7 @@ from run_info import header_lines, run_info
 from transformers import TrainerCallback
 
 from hf_maskllm import MaskConfig, get_mask_model
+from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
 from hf_maskllm.data import calibration_tokens, causal_lm_dataset
 from hf_maskllm.embedded import load_smollm2
 from hf_maskllm.learn import learn_mask
@@ -123,7 +124,7 @@ def main() -> None:
             sparsegpt_prune(model, 2, 4, names, calib, batch_size=8)
         elif method == "maskllm":
             # the paper's prior strength (the default is 4)
-            config = MaskConfig(prior="sparsegpt", tau=(args.tau_start, 0.05), prior_strength=3.0)
+            config = MaskConfig(prior="sparsegpt", **{**PAPER_MASK_CONFIG, "tau": (args.tau_start, 0.05)})
             model = get_mask_model(model, config, calibration_data=calib)
             # The exact prior this run starts from (its own SparseGPT call): the reference for "gap closed".
             prior_start = time.perf_counter()

@@ -49,10 +49,13 @@ from pathlib import Path
 import torch
 from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 
+from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
+
 RESULTS = Path(__file__).resolve().parent / "results"
-# the paper's temperature range and prior strength (the defaults: tau from 2, prior strength 4); the
-# variants also keep the paper's cosine learning-rate decay (the default: constant) unless they set their own
-PAPER_SCHEDULE = {"tau": (4.0, 0.05), "prior_strength": 3.0}
+# the paper's temperature range, logit scale and prior start (strength 3 over N(0, 0.01) logits), which every
+# variant changes as its fields say; the variants also keep the paper's cosine learning-rate decay (the
+# default: constant) unless they set their own
+PAPER_SCHEDULE = PAPER_MASK_CONFIG
 CONSTANT_LR = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
 # one mask sample per sequence (two micro-batches of one), as the reference trains; the defaults share one
 PER_SEQUENCE = {**CONSTANT_LR, "gradient_accumulation_steps": 2}
@@ -190,6 +193,24 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {"tau": (2.0, 0.05), "prior_strength": 4.0, "hard": True},
             {**CONSTANT_LR, "seed": seed},
         )
+        for seed in (0, 1, 2)
+    },
+    # the prior's lead in raw logits (strength x init std) over almost no init noise, kappa scaled so the lead
+    # is 4 in the sampled scale at the start, as strength 4's is at kappa 100
+    **{
+        f"lm-tau2-constlr-nonoise-gap{gap}{'' if seed == 0 else f'-seed{seed}'}": (
+            f"tau 2 -> 0.05, constant rate, prior lead {gap} over near-zero noise (init std 1e-4, strength "
+            f"{gap / 1e-4:.0f}; strength 4's lead is 0.04 over std 0.01), kappa {4 / gap:.0f} -> {20 / gap:.0f}"
+            + ("" if seed == 0 else f", seed {seed} (other training sequences and mask noise)"),
+            {
+                "tau": (2.0, 0.05),
+                "init_std": 1e-4,
+                "prior_strength": gap / 1e-4,
+                "kappa": (4 / gap, 20 / gap),
+            },
+            {**CONSTANT_LR, "seed": seed},
+        )
+        for gap in (0.04, 0.03, 0.02, 0.0175, 0.015, 0.01, 0.0075)
         for seed in (0, 1, 2)
     },
     "lm-tau2-0.2-alpha4-constlr-accum2": (
@@ -453,7 +474,7 @@ def write_markdown(payload: dict, out: Path) -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} decaying to 10% with a cosine, the paper's schedule (tau 4 -> 0.05) and prior strength (3) unless "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} decaying to 10% with a cosine, the paper's schedule (tau 4 -> 0.05, kappa 100 -> 500) and prior start (strength 3 over N(0, 0.01) logits) unless "
         f"the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
         "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "

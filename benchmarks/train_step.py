@@ -106,6 +106,7 @@ def log(message: str) -> None:
 
 def child(mode: str, batch: int, seqlen: int, args) -> dict:
     from hf_maskllm import MaskAdamW, MaskConfig, get_mask_model
+    from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
     from hf_maskllm.memory import training_state_bytes
 
     torch.set_num_threads(args.threads)
@@ -142,8 +143,8 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         dense_step()
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
-        # default prior strength: logits spread like a trained run; the paper's tau range (the widest)
-        config = MaskConfig(prior="magnitude", tau=(4.0, 0.05), prior_strength=3.0)
+        # the paper's start and schedule: logits spread like a trained run, the widest tau range
+        config = MaskConfig(prior="magnitude", **PAPER_MASK_CONFIG)
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()

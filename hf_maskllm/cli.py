@@ -64,8 +64,22 @@ def _parser() -> argparse.ArgumentParser:
         "--prior-strength",
         type=float,
         default=MaskConfig.prior_strength,
-        help="alpha of the prior rule: how far the prior's pattern leads in each group at the start "
-        "(default: %(default)s; the paper's: 3.0)",
+        help="alpha of the prior rule: the prior's pattern leads in each group by about alpha x --init-std "
+        "at the start (default: %(default)s; the paper's: 3.0)",
+    )
+    learn.add_argument(
+        "--init-std",
+        type=float,
+        default=MaskConfig.init_std,
+        help="std of the logits' random init (default: %(default)s, the paper's)",
+    )
+    learn.add_argument(
+        "--kappa",
+        type=float,
+        nargs=2,
+        metavar=("START", "END"),
+        default=list(MaskConfig.kappa),
+        help="logit scale kappa, annealed linearly from START to END (default: %(default)s, the paper's)",
     )
     learn.add_argument(
         "--lm-weight",
@@ -245,6 +259,8 @@ def learn(args: argparse.Namespace) -> dict:
         calibration_seqlen=args.calib_seqlen,
         tau=tuple(args.tau),
         prior_strength=args.prior_strength,
+        init_std=args.init_std,
+        kappa=tuple(args.kappa),
         lm_weight=args.lm_weight,
         distill_logits=args.distill_logits,
         distill_temperature=args.distill_temperature,

@@ -14,7 +14,8 @@ comment that does not show when the page is rendered::
   percentages, bytes shown in MiB);
 - a number derived from several values is an expression over keys in braces, with numbers,
   ``+ - * /`` and parentheses: ``2.8 <!-- downstream.json: {rows.python-scratch.python} -
-  {rows.python-transfer.python} -->``;
+  {rows.python-transfer.python} -->``; a key of another results file is written with its file name,
+  ``{other.json:rows.0.ppl}`` (a mean over runs written to several files);
 - the quoted number is the last number before the marker on its line, with at most a unit between
   them (``%``, ``x``, ``MiB``, ``ms``, ``tok/s``, ...) and markdown emphasis; thousands separators are
   allowed. It must equal the stored value rounded to the number of decimals shown.
@@ -89,8 +90,9 @@ def resolve(data, path: str):
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
-def evaluate(data, key: str) -> float:
-    """The number at ``key``, or the value of an expression over ``{key}`` placeholders."""
+def evaluate(data, key: str, load=_load) -> float:
+    """The number at ``key``, or the value of an expression over ``{key}`` placeholders (``{file.json:key}``
+    for a key of another results file, read with ``load``)."""
     if "{" not in key:
         value = resolve(data, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -106,7 +108,10 @@ def evaluate(data, key: str) -> float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.Name) and node.id.startswith("_k"):
-            return evaluate(data, keys[int(node.id[2:])])
+            other = re.fullmatch(r"([\w.\-]+\.json):(.+)", keys[int(node.id[2:])])
+            if other:
+                return evaluate(load(other.group(1)), other.group(2), load)
+            return evaluate(data, keys[int(node.id[2:])], load)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value_of(node.left), value_of(node.right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
@@ -130,7 +135,7 @@ def check_numbers(text: str, where: str = "<text>", load=_load) -> tuple[list[st
                 continue
             shown = found.group(1).replace(",", "")
             try:
-                value = evaluate(load(name), key)
+                value = evaluate(load(name), key, load)
             except FileNotFoundError:
                 errors.append(f"{at}: benchmarks/results/{name} does not exist")
                 continue
@@ -207,10 +212,12 @@ def test_a_wrong_number_fails():
         "| 35.01 <!-- t.json: rows.a.b (x).ppl --> | **35.0** <!-- t.json: rows.a.b (x).ppl --> "
         "closes 56.3% <!-- t.json: frac *100 -->, 326.3 MiB <!-- t.json: bytes /1048576 --> and "
         "342,163,456 bytes <!-- t.json: bytes -->, gap 29.5 <!-- t.json: {rows.a.b (x).ppl} - 5.5 -->, "
-        "ratio 61.4% <!-- t.json: 100 * {rows.a.b (x).ppl} / ({bytes} / 6000000) -->"
+        "ratio 61.4% <!-- t.json: 100 * {rows.a.b (x).ppl} / ({bytes} / 6000000) -->, "
+        "mean 17.75 <!-- t.json: ({rows.a.b (x).ppl} + {v.json:ppl}) / 2 -->"
     )
+    results["v.json"] = {"ppl": 0.5}
     errors, quotes = check_numbers(good, load=results.__getitem__)
-    assert not errors and len(quotes) == 7, errors
+    assert not errors and len(quotes) == 8, errors
     for planted in (
         "35.38 <!-- t.json: rows.a.b (x).ppl -->",  # a wrong value
         "35.1 <!-- t.json: rows.a.b (x).ppl -->",  # a wrong rounding
@@ -222,6 +229,8 @@ def test_a_wrong_number_fails():
         "29.5 <!-- t.json: {rows.a.b (x).ppl} - {rows.nothing} -->",  # a key the file does not hold
         "29.5 <!-- t.json: __import__('os') -->",  # not an expression over keys
         "29.5 <!-- t.json: {frac} / ({frac} - {frac}) -->",  # division by zero
+        "17.76 <!-- t.json: ({rows.a.b (x).ppl} + {v.json:ppl}) / 2 -->",  # a wrong value across files
+        "17.75 <!-- t.json: ({rows.a.b (x).ppl} + {w.json:ppl}) / 2 -->",  # another file that does not exist
     ):
         errors, _ = check_numbers(
             planted, load=lambda name: results[name] if name in results else _load(name)

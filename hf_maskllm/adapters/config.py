@@ -16,7 +16,7 @@ from ..patterns import check_nm_args, num_candidates
 from ..priors.calibration import PRIOR_METHODS
 from ..serialization import load_json, resolve_folder, save_json
 
-__all__ = ["CONFIG_NAME", "FORMAT_VERSION", "MaskConfig"]
+__all__ = ["CONFIG_NAME", "FORMAT_VERSION", "PAPER_MASK_CONFIG", "MaskConfig"]
 
 CONFIG_NAME = "mask_config.json"
 FORMAT_VERSION = 1
@@ -25,6 +25,9 @@ SCHEDULES = ("linear", "cosine", "exponential")
 # default, which is what such a mask was learned with.
 ADDED_FIELDS = ("lm_weight", "distill_logits", "distill_temperature", "distill_hidden")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+# The paper's temperature, logit scale and prior start, where the defaults differ or may differ:
+# ``MaskConfig(prior=..., **PAPER_MASK_CONFIG)`` starts and anneals as the paper does.
+PAPER_MASK_CONFIG = {"tau": (4.0, 0.05), "kappa": (100.0, 500.0), "prior_strength": 3.0, "init_std": 0.01}
 
 
 @dataclass
