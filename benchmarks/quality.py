@@ -123,7 +123,7 @@ def main() -> None:
         elif method == "sparsegpt+update":
             sparsegpt_prune(model, 2, 4, names, calib, batch_size=8)
         elif method == "maskllm":
-            # the paper's prior strength (the default is 4)
+            # the paper's prior start and schedule (the defaults start tau at 2 and use strength 4)
             config = MaskConfig(prior="sparsegpt", **{**PAPER_MASK_CONFIG, "tau": (args.tau_start, 0.05)})
             model = get_mask_model(model, config, calibration_data=calib)
             # The exact prior this run starts from (its own SparseGPT call): the reference for "gap closed".
