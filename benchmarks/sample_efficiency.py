@@ -210,7 +210,7 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             },
             {**CONSTANT_LR, "seed": seed},
         )
-        for gap in (0.04, 0.03, 0.02, 0.0175, 0.015, 0.01, 0.0075)
+        for gap in (0.065, 0.05, 0.04, 0.03, 0.02, 0.0175, 0.015, 0.01, 0.0075)
         for seed in (0, 1, 2)
     },
     "lm-tau2-0.2-alpha4-constlr-accum2": (
