@@ -52,10 +52,9 @@ from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# the paper's temperature range, logit scale and prior start (strength 3 over N(0, 0.01) logits), which every
-# variant changes as its fields say; the variants also keep the paper's cosine learning-rate decay (the
-# default: constant) unless they set their own
-PAPER_SCHEDULE = PAPER_MASK_CONFIG
+# every variant starts from PAPER_MASK_CONFIG (the paper's temperature range, logit scale and prior start:
+# strength 3 over N(0, 0.01) logits) and changes it as its fields say; the variants also keep the paper's
+# cosine learning-rate decay (the default: constant) unless they set their own
 CONSTANT_LR = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
 # one mask sample per sequence (two micro-batches of one), as the reference trains; the defaults share one
 PER_SEQUENCE = {**CONSTANT_LR, "gradient_accumulation_steps": 2}
@@ -293,7 +292,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(model_name, args.cache)
     label, fields, overrides = VARIANTS[key]
-    fields = {**PAPER_SCHEDULE, **fields}  # every variant changes the paper's recipe as its fields say
+    fields = {**PAPER_MASK_CONFIG, **fields}  # every variant changes the paper's recipe as its fields say
     # one forward (and mask sample) per step of --batch-size sequences unless a variant splits it
     learn_kwargs = {
         "learning_rate": args.lr,
