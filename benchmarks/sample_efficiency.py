@@ -194,6 +194,16 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         )
         for seed in (0, 1, 2)
     },
+    # Adam's eps as a floor under the root of the second moment: a logit whose gradients stay below it moves
+    # less than the learning rate per step, so a higher rate moves the strongly driven logits further
+    **{
+        f"lm-tau2-alpha4-constlr-eps{eps}-lr{lr}": (
+            f"tau 2 -> 0.05, strength 4, constant rate {lr}, Adam eps {eps} (the recipe: 1e-8)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0},
+            {**CONSTANT_LR, "learning_rate": float(lr), "adam_epsilon": float(eps)},
+        )
+        for eps, lr in (("1e-5", "1e-3"), ("3e-5", "2e-3"), ("1e-4", "3e-3"), ("3e-5", "1e-3"), ("1e-5", "5e-4"))
+    },
     # the prior's lead in raw logits (strength x init std) over almost no init noise, kappa scaled so the lead
     # is 4 in the sampled scale at the start, as strength 4's is at kappa 100
     **{
