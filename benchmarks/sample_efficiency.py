@@ -194,6 +194,28 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         )
         for seed in (0, 1, 2)
     },
+    # distilling the unmasked model at the defaults' schedule (tau 2, strength 4, the constant rate)
+    "lm-tau2-alpha4-constlr-kl": (
+        "tau 2 -> 0.05, strength 4, constant rate, logit KL to the unmasked model alone (T=1), no LM loss",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "lm_weight": 0.0, "distill_logits": 1.0},
+        CONSTANT_LR,
+    ),
+    "lm-tau2-alpha4-constlr-klT2": (
+        "tau 2 -> 0.05, strength 4, constant rate, logit KL to the unmasked model alone (T=2), no LM loss",
+        {
+            "tau": (2.0, 0.05),
+            "prior_strength": 4.0,
+            "lm_weight": 0.0,
+            "distill_logits": 1.0,
+            "distill_temperature": 2.0,
+        },
+        CONSTANT_LR,
+    ),
+    "lm-tau2-alpha4-constlr+hidden0.1": (
+        "tau 2 -> 0.05, strength 4, constant rate, + 0.1 x hidden-state MSE",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_hidden": 0.1},
+        CONSTANT_LR,
+    ),
     # Adam's eps as a floor under the root of the second moment: a logit whose gradients stay below it moves
     # less than the learning rate per step, so a higher rate moves the strongly driven logits further
     **{
@@ -202,7 +224,13 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {"tau": (2.0, 0.05), "prior_strength": 4.0},
             {**CONSTANT_LR, "learning_rate": float(lr), "adam_epsilon": float(eps)},
         )
-        for eps, lr in (("1e-5", "1e-3"), ("3e-5", "2e-3"), ("1e-4", "3e-3"), ("3e-5", "1e-3"), ("1e-5", "5e-4"))
+        for eps, lr in (
+            ("1e-5", "1e-3"),
+            ("3e-5", "2e-3"),
+            ("1e-4", "3e-3"),
+            ("3e-5", "1e-3"),
+            ("1e-5", "5e-4"),
+        )
     },
     # the prior's lead in raw logits (strength x init std) over almost no init noise, kappa scaled so the lead
     # is 4 in the sampled scale at the start, as strength 4's is at kappa 100
