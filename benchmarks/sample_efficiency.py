@@ -216,6 +216,23 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_hidden": 0.1},
         CONSTANT_LR,
     ),
+    **{
+        f"lm-tau2-alpha4-constlr+kl{w}": (
+            f"tau 2 -> 0.05, strength 4, constant rate, LM loss + {w} x logit KL to the unmasked model (T=1)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": float(w)},
+            CONSTANT_LR,
+        )
+        for w in ("0.3", "1")
+    },
+    **{
+        f"lm-tau2-alpha4-constlr-kl-seed{seed}": (
+            "tau 2 -> 0.05, strength 4, constant rate, logit KL to the unmasked model alone (T=1), no LM loss, "
+            f"seed {seed} (other training sequences and mask noise)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "lm_weight": 0.0, "distill_logits": 1.0},
+            {**CONSTANT_LR, "seed": seed},
+        )
+        for seed in (1, 2)
+    },
     # Adam's eps as a floor under the root of the second moment: a logit whose gradients stay below it moves
     # less than the learning rate per step, so a higher rate moves the strongly driven logits further
     **{
