@@ -46,6 +46,7 @@ MODES = {
     "masked": "masked 2:4, fused + compiled sampling, MaskAdamW step",
     "masked-recompute": "masked 2:4, as above, sample recomputed in the backward (GPU default)",
     "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
+    "masked-kl": "masked 2:4, as masked, + logit KL to the unmasked model (its forward every step)",
 }
 TAUS = "4,1,0.3,0.05"
 
@@ -144,7 +145,8 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
         # the paper's start and schedule: logits spread like a trained run, the widest tau range
-        config = MaskConfig(prior="magnitude", **PAPER_MASK_CONFIG)
+        objective = {"distill_logits": 1.0} if mode == "masked-kl" else {}
+        config = MaskConfig(prior="magnitude", **PAPER_MASK_CONFIG, **objective)
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
@@ -189,7 +191,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["state_bytes_per_weight"] = (
             sizes["total"] / masked
         )  # optimizer + logits + grads (no callback here)
-        if mode == "masked" and args.run_steps > 0 and tokenizer is not None:
+        if mode in ("masked", "masked-kl") and args.run_steps > 0 and tokenizer is not None:
             with torch.no_grad():  # the run starts from the prior again
                 for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
                     layer.mask_logits.copy_(logits)
@@ -241,7 +243,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="dense,masked",
-        help="dense, masked, masked-recompute, masked-eager (comma separated)",
+        help="dense, masked, masked-recompute, masked-eager, masked-kl (comma separated)",
     )
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")
