@@ -85,13 +85,14 @@ def _parser() -> argparse.ArgumentParser:
         "--lm-weight",
         type=float,
         default=MaskConfig.lm_weight,
-        help="weight of the language-model loss (the paper's objective)",
+        help="weight of the language-model loss (default: %(default)s, the paper's)",
     )
     learn.add_argument(
         "--distill-logits",
         type=float,
         default=MaskConfig.distill_logits,
-        help="weight of the KL to the unmasked model's next-token distribution (0: off)",
+        help="weight of the KL to the unmasked model's next-token distribution (default: 1.0 for a causal "
+        "LM; 0: the paper's objective, the language-model loss alone)",
     )
     learn.add_argument(
         "--distill-temperature",

@@ -27,7 +27,10 @@ def _micro_batches(rank: int) -> list[torch.Tensor]:
 
 
 # The paper's objective, and one that distils the unmasked model (its terms ride in the same loss).
-OBJECTIVES = {"lm": {}, "distill": {"lm_weight": 0.5, "distill_logits": 1.0, "distill_hidden": 1.0}}
+OBJECTIVES = {
+    "lm": {"distill_logits": 0.0},
+    "distill": {"lm_weight": 0.5, "distill_logits": 1.0, "distill_hidden": 1.0},
+}
 
 
 def _pair(objective: str = "lm"):

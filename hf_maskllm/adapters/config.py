@@ -24,10 +24,19 @@ SCHEDULES = ("linear", "cosine", "exponential")
 # Fields added after files of format version 1 were first written: a saved config without them gets the
 # default, which is what such a mask was learned with.
 ADDED_FIELDS = ("lm_weight", "distill_logits", "distill_temperature", "distill_hidden")
+# The paper's objective, the language-model loss alone. A saved config leaves out the fields that hold
+# these values, and a saved config without them reads them (older files: what those masks learned with).
+PAPER_OBJECTIVE = {"lm_weight": 1.0, "distill_logits": 0.0, "distill_temperature": 1.0, "distill_hidden": 0.0}
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
-# The paper's temperature, logit scale and prior start, where the defaults differ or may differ:
-# ``MaskConfig(prior=..., **PAPER_MASK_CONFIG)`` starts and anneals as the paper does.
-PAPER_MASK_CONFIG = {"tau": (4.0, 0.05), "kappa": (100.0, 500.0), "prior_strength": 3.0, "init_std": 0.01}
+# The paper's temperature, logit scale, prior start and objective, where the defaults differ or may
+# differ: ``MaskConfig(prior=..., **PAPER_MASK_CONFIG)`` starts, anneals and learns as the paper does.
+PAPER_MASK_CONFIG = {
+    "tau": (4.0, 0.05),
+    "kappa": (100.0, 500.0),
+    "prior_strength": 3.0,
+    "init_std": 0.01,
+    "distill_logits": 0.0,
+}
 
 
 @dataclass
@@ -62,10 +71,11 @@ class MaskConfig:
         logits_dtype: ``"bfloat16"`` (default: 3 bytes per masked weight; train it with
             :class:`~hf_maskllm.MaskAdamW`, whose stochastic rounding keeps small updates),
             ``"float32"`` (the reference) or ``"float16"``.
-        lm_weight: Weight of the language-model loss in the training objective (1.0: the paper's
-            objective, alone unless a distillation weight is set).
+        lm_weight: Weight of the language-model loss in the training objective (1.0, the paper's).
         distill_logits: Weight of distillation from the unmasked model's next-token distribution: the KL
-            divergence at ``distill_temperature`` (times its square), per predicted token.
+            divergence at ``distill_temperature`` (times its square), per predicted token. Default
+            ``None``: 1.0 for a causal language model, 0 for other models, filled in when the mask is
+            added to a model; 0 is the paper's objective (the language-model loss alone).
         distill_temperature: Temperature of that distribution (teacher and student alike).
         distill_hidden: Weight of distillation from the unmasked model's hidden states after every decoder
             block: the squared error relative to the teacher's squared norm, per token, averaged over
@@ -110,8 +120,12 @@ class MaskConfig:
         default="bfloat16", metadata={"help": "bfloat16 (train with MaskAdamW) | float32 | float16"}
     )
     lm_weight: float = field(default=1.0, metadata={"help": "Weight of the language-model loss."})
-    distill_logits: float = field(
-        default=0.0, metadata={"help": "Weight of the KL to the unmasked model's next-token distribution."}
+    distill_logits: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the KL to the unmasked model's next-token distribution (default: 1.0 for a "
+            "causal LM, 0 otherwise; the paper: 0)."
+        },
     )
     distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of that KL."})
     distill_hidden: float = field(
@@ -171,9 +185,12 @@ class MaskConfig:
                 raise ConfigError(f"`{name}` must be a finite number >= {low}, got {value!r}.")
         for name in ("lm_weight", "distill_logits", "distill_hidden"):
             value = getattr(self, name)
+            if name == "distill_logits" and value is None:  # filled in for the model (resolve_objective)
+                continue
             if not _is_number(value) or not (value >= 0) or value == float("inf"):
                 raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}.")
-        if not (self.lm_weight > 0 or self.distill_logits > 0 or self.distill_hidden > 0):
+        distill_logits = 1.0 if self.distill_logits is None else self.distill_logits
+        if not (self.lm_weight > 0 or distill_logits > 0 or self.distill_hidden > 0):
             raise ConfigError(
                 "lm_weight, distill_logits and distill_hidden are all 0: the masks would learn nothing. Give at "
                 "least one a positive weight (lm_weight=1.0 is the paper's objective)."
@@ -202,7 +219,13 @@ class MaskConfig:
     @property
     def distills(self) -> bool:
         """Whether the objective distils the unmasked model (``distill_logits`` or ``distill_hidden`` > 0)."""
-        return self.distill_logits > 0 or self.distill_hidden > 0
+        return (self.distill_logits or 0.0) > 0 or self.distill_hidden > 0
+
+    def resolve_objective(self, causal_lm: bool) -> None:
+        """Fill in ``distill_logits=None`` (the default) for the model the mask trains on: 1.0 for a
+        causal language model, 0.0 (the language-model loss alone) for others."""
+        if self.distill_logits is None:
+            self.distill_logits = 1.0 if causal_lm else 0.0
 
     @property
     def num_candidates(self) -> int:
@@ -254,8 +277,9 @@ class MaskConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"Unknown MaskConfig field(s) {unknown}; valid fields are {sorted(names)}.")
-        if require_all:
-            missing = sorted(names - set(data) - set(ADDED_FIELDS))
+        if require_all:  # a saved file: one written before the objective fields learned the paper's
+            data = {**PAPER_OBJECTIVE, **data}
+            missing = sorted(names - set(data))
             if missing:
                 raise ConfigError(
                     f"MaskConfig is missing field(s) {missing}; the file is incomplete, save it again."
@@ -270,9 +294,8 @@ class MaskConfig:
         from .. import __version__
 
         data = self.to_dict()
-        default = MaskConfig().to_dict()
-        for name in ADDED_FIELDS:  # at their defaults, left out: older hf_maskllm versions read the file
-            if data[name] == default[name]:
+        for name in ADDED_FIELDS:  # at the paper's values, left out: older hf_maskllm versions read the file
+            if data[name] == PAPER_OBJECTIVE[name]:
                 del data[name]
         data["format_version"] = FORMAT_VERSION
         data["hf_maskllm_version"] = __version__

@@ -161,8 +161,9 @@ class MaskModel(NamedMasksMixin, nn.Module):
             if kwargs.get("labels") is None:
                 raise ConfigError(
                     "This mask trains on an objective other than the language-model loss alone (lm_weight, "
-                    "distill_logits, distill_hidden), which needs `labels` in the batch; pass labels (a causal LM "
-                    "collator does)."
+                    "distill_logits, distill_hidden; for a causal LM the default distils the unmasked model), "
+                    "which needs `labels` in the batch. Pass labels (a causal LM collator does), or, to train on "
+                    "a loss of your own, MaskConfig(distill_logits=0.0)."
                 )
             if config.distill_hidden > 0:
                 kwargs = {**kwargs, "output_hidden_states": True}

@@ -33,6 +33,7 @@ from ..errors import ConfigError, MaskFileError, MaskLLMError
 from ..modules import is_conv1d
 from ..patterns import candidate_patterns
 from .config import CONFIG_NAME, MaskConfig
+from .objective import is_causal_lm
 from .prior_init import TORCH_DTYPES, initial_logits, prior_masks
 from .reference_file import REFERENCE_NAME, find_reference_file
 from .save_and_load import (
@@ -181,6 +182,7 @@ class NamedMasksMixin:
                 self._check_same_layers(mask_name, targets, "its target_modules / exclude_modules")
             if config.base_model_name_or_path is None:
                 config.base_model_name_or_path = _name_or_path(model)
+            config.resolve_objective(is_causal_lm(model))
             priors = prior_masks(model, config, self.masked_names, calibration_data, tokenizer)
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
         devices = {name: layer.base_layer.weight.device for name, layer in layers.items()}

@@ -32,6 +32,7 @@ __all__ = [
     "apply_objective",
     "check_causal_lm",
     "hidden_distillation",
+    "is_causal_lm",
     "logit_distillation",
     "objective_terms",
     "predicted_positions",
@@ -124,6 +125,11 @@ def _is_causal_lm(cls: type) -> bool:
     )
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers causal language model (the distillation objective's domain)."""
+    return _is_causal_lm(type(model))
+
+
 def check_causal_lm(model: nn.Module) -> None:
     """Refuse an objective other than the language-model loss for a model that is not a causal LM: the
     terms compare next-token predictions at the positions whose next label counts."""
@@ -131,7 +137,7 @@ def check_causal_lm(model: nn.Module) -> None:
     if not _is_causal_lm(type(model)):
         raise ConfigError(
             f"lm_weight / distill_logits / distill_hidden define an objective for causal language models; "
-            f"{name} is not one. Leave them at their defaults (lm_weight=1.0, no distillation)."
+            f"{name} is not one. Leave them at their defaults (for such a model: the language-model loss alone)."
         )
 
 

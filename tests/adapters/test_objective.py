@@ -194,7 +194,8 @@ def test_the_objective_needs_labels_and_sane_weights():
         distilling.eval()
         assert distilling(input_ids=torch.randint(3, 128, (1, 8))).logits is not None
     with pytest.raises(ConfigError, match="all 0"):
-        MaskConfig(lm_weight=0.0)
+        MaskConfig(lm_weight=0.0, distill_logits=0.0)
+    assert MaskConfig(lm_weight=0.0).distill_logits is None  # the default distils a causal LM
     with pytest.raises(ConfigError, match="distill_logits"):
         MaskConfig(distill_logits=-1.0)
     with pytest.raises(ConfigError, match="distill_temperature"):
@@ -247,16 +248,57 @@ def test_a_frozen_mask_under_fine_tuning_leaves_the_loss_alone(tmp_path):
     assert frozen(input_ids=ids).logits is not None
 
 
-def test_default_objective_fields_are_left_out_of_a_saved_config(tmp_path):
+def test_the_papers_objective_fields_are_left_out_of_a_saved_config(tmp_path):
     import json
 
-    MaskConfig().save_pretrained(tmp_path / "a")
+    MaskConfig(distill_logits=0.0).save_pretrained(tmp_path / "a")
     MaskConfig(distill_logits=0.1).save_pretrained(tmp_path / "b")
+    MaskConfig().save_pretrained(tmp_path / "c")  # the default, not yet filled in for a model
     a = json.loads((tmp_path / "a" / "mask_config.json").read_text())
     b = json.loads((tmp_path / "b" / "mask_config.json").read_text())
+    c = json.loads((tmp_path / "c" / "mask_config.json").read_text())
     assert not {"lm_weight", "distill_logits", "distill_temperature", "distill_hidden"} & set(a)
     assert b["distill_logits"] == 0.1 and "lm_weight" not in b
+    assert c["distill_logits"] is None
+    assert MaskConfig.from_pretrained(tmp_path / "a") == MaskConfig(distill_logits=0.0)
     assert MaskConfig.from_pretrained(tmp_path / "b") == MaskConfig(distill_logits=0.1)
+    assert MaskConfig.from_pretrained(tmp_path / "c") == MaskConfig()
+
+
+def test_a_config_saved_without_the_objective_fields_reads_the_papers_objective(tmp_path):
+    """Files written before the objective fields existed hold masks learned on the language-model loss
+    alone: they read as that, not as today's default."""
+    import json
+
+    MaskConfig(distill_logits=0.0).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "mask_config.json").read_text())
+    assert "distill_logits" not in data
+    config = MaskConfig.from_pretrained(tmp_path)
+    assert (config.lm_weight, config.distill_logits, config.distill_hidden) == (1.0, 0.0, 0.0)
+    assert not config.distills
+
+
+def test_the_default_objective_distils_a_causal_lm_and_not_other_models(tmp_path):
+    """``distill_logits=None`` is filled in when the mask is added: 1.0 (the unmasked model's next-token
+    distribution) for a causal LM, the language-model loss alone for other models; saved as filled in."""
+    from hf_maskllm import MaskModel
+
+    config = MaskConfig(prior="magnitude")
+    llama = get_mask_model(tiny_llama(), config).train()
+    assert llama.mask_config.distill_logits == 1.0 and llama.mask_config.distills
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(11))
+    out = llama(input_ids=ids, labels=ids)
+    assert out.distill_logits_loss.item() > 0
+    llama.save_pretrained(tmp_path / "llama")
+    assert MaskModel.from_pretrained(tiny_llama(), tmp_path / "llama").mask_config.distill_logits == 1.0
+
+    bert = get_mask_model(tiny_bert_mlm(), MaskConfig(prior="magnitude")).train()
+    assert bert.mask_config.distill_logits == 0.0 and not bert.mask_config.distills
+    out = bert(input_ids=ids, labels=ids)  # its own loss, no objective refused
+    assert "distill_logits_loss" not in out and torch.isfinite(out.loss)
+    # the paper's objective is one argument away
+    paper = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude", distill_logits=0.0)).train()
+    assert "distill_logits_loss" not in paper(input_ids=ids, labels=ids)
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused_an_objective():
