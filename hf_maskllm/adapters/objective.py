@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import ConfigError
@@ -57,6 +58,21 @@ def _divisor(valid: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor | flo
     return valid.sum().clamp_min(1)
 
 
+# Logits per chunk of the KL: bounds its float32 temporaries (and those its backward recomputes) to 64 MiB
+# each, whatever the vocabulary; a whole batch's would be several of the logits' own size.
+KL_CHUNK_ELEMENTS = 1 << 24
+
+
+def _kl_sum(
+    student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``KL(teacher || student)`` at ``temperature`` summed over the ``valid`` rows of ``[rows, vocab]``."""
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    kl = F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
+    return torch.where(valid, kl, 0.0).sum()
+
+
 def logit_distillation(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -65,11 +81,27 @@ def logit_distillation(
     num_items_in_batch: Any = None,
 ) -> torch.Tensor:
     """``T^2 * KL(teacher || student)`` of the next-token distributions at temperature ``T``, summed over
-    ``valid`` positions (``[batch, seq]``) and divided like the language-model loss; float32."""
-    s = student[valid.to(student.device)].float() / temperature  # [tokens, vocab]
-    t = teacher[valid.to(teacher.device)].float().to(s.device) / temperature
-    kl = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), reduction="sum", log_target=True)
-    return kl * temperature**2 / _divisor(valid, num_items_in_batch)
+    ``valid`` positions (``[batch, seq]``) and divided like the language-model loss; float32.
+
+    Computed in chunks of rows, each recomputed in the backward pass (activation checkpointing): the
+    extra memory is one chunk's, not several copies of the batch's logits."""
+    s = student.flatten(0, -2)
+    t = teacher.flatten(0, -2)
+    v = valid.flatten().to(s.device)
+    rows = max(1, KL_CHUNK_ELEMENTS // s.shape[-1])
+    total = torch.zeros((), dtype=torch.float32, device=s.device)
+    for start in range(0, s.shape[0], rows):
+        part = (
+            s[start : start + rows],
+            t[start : start + rows].to(s.device),
+            v[start : start + rows],
+            temperature,
+        )
+        if s.requires_grad:
+            total = total + torch.utils.checkpoint.checkpoint(_kl_sum, *part, use_reentrant=False)
+        else:
+            total = total + _kl_sum(*part)
+    return total * temperature**2 / _divisor(valid, num_items_in_batch)
 
 
 def hidden_distillation(

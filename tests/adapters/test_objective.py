@@ -320,3 +320,24 @@ def test_a_causal_lm_class_of_remote_code_is_accepted():
     model = get_mask_model(base, MaskConfig(distill_logits=1.0)).train()
     ids = torch.randint(3, 128, (1, 8))
     assert "distill_logits_loss" in model(input_ids=ids, labels=ids)
+
+
+def test_the_chunked_logit_distillation_matches_the_whole_batch_value_and_gradient(monkeypatch):
+    """The KL runs in chunks of rows, each recomputed in the backward pass: the same value and gradient
+    as the whole batch at once (float64 reference), whatever the chunk size, padding rows included."""
+    from hf_maskllm.adapters import objective
+
+    gen = torch.Generator().manual_seed(12)
+    student = (torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    teacher = torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3
+    valid = predicted_positions(_labels(3, 7, 13))
+    s = torch.log_softmax(student / 2.0, -1)
+    t = torch.log_softmax(teacher / 2.0, -1)
+    reference = 4.0 * (t.exp() * (t - s)).sum(-1)[valid].sum() / valid.sum()
+    (expected,) = torch.autograd.grad(reference, student)
+    for chunk_elements in (11, 33, 11 * 5, 1 << 24):  # 1, 3 and 5 rows per chunk, and all at once
+        monkeypatch.setattr(objective, "KL_CHUNK_ELEMENTS", chunk_elements)
+        got = logit_distillation(student, teacher, valid, 2.0)
+        (grad,) = torch.autograd.grad(got, student)
+        assert got.item() == pytest.approx(reference.item(), rel=1e-6)
+        torch.testing.assert_close(grad, expected.float().double(), rtol=1e-5, atol=1e-7)
