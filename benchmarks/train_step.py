@@ -146,7 +146,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
     else:
         # the paper's start and schedule: logits spread like a trained run, the widest tau range
         objective = {"distill_logits": 1.0} if mode == "masked-kl" else {}
-        config = MaskConfig(prior="magnitude", **PAPER_MASK_CONFIG, **objective)
+        config = MaskConfig(prior="magnitude", **{**PAPER_MASK_CONFIG, **objective})
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
