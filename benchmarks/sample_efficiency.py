@@ -52,8 +52,9 @@ from run_info import header_lines, rss_bytes, rss_peak_bytes, run_info
 from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# every variant starts from PAPER_MASK_CONFIG (the paper's temperature range, logit scale and prior start:
-# strength 3 over N(0, 0.01) logits) and changes it as its fields say; the variants also keep the paper's
+# every variant starts from PAPER_MASK_CONFIG (the paper's temperature range, logit scale, prior start:
+# strength 3 over N(0, 0.01) logits, and objective: the language-model loss alone) and changes it as its
+# fields say; the variants also keep the paper's
 # cosine learning-rate decay (the default: constant) unless they set their own
 CONSTANT_LR = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
 # one mask sample per sequence (two micro-batches of one), as the reference trains; the defaults share one
@@ -537,7 +538,7 @@ def write_markdown(payload: dict, out: Path) -> None:
         "",
         f"2:4, every decoder linear; one SparseGPT prior per model ({args.calib_samples} x 512 calibration tokens of "
         f"Wikipedia train); every variant: `learn_mask` for {args.steps} steps x {args.batch_size} x {args.seqlen} "
-        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} decaying to 10% with a cosine, the paper's schedule (tau 4 -> 0.05, kappa 100 -> 500) and prior start (strength 3 over N(0, 0.01) logits) unless "
+        f"= {tokens:,} Wikipedia training tokens (the same tokens, seed 0), lr {args.lr} decaying to 10% with a cosine, the paper's schedule (tau 4 -> 0.05, kappa 100 -> 500), prior start (strength 3 over N(0, 0.01) logits) and objective (the language-model loss alone) unless "
         f"the variant says otherwise; held-out perplexity on "
         f"{args.eval_windows} x 512 tokens per corpus; {args.jobs} variant(s) at once, {args.threads} thread(s) each. "
         "Gap closed: of the prior-to-dense perplexity gap. Groups moved: 2:4 groups whose hard mask at the end differs "
