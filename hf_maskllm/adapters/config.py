@@ -21,8 +21,8 @@ __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "PAPER_MASK_CONFIG", "MaskConfig"]
 CONFIG_NAME = "mask_config.json"
 FORMAT_VERSION = 1
 SCHEDULES = ("linear", "cosine", "exponential")
-# Fields added after files of format version 1 were first written: a saved config without them gets the
-# default, which is what such a mask was learned with.
+# Fields added after files of format version 1 were first written: a saved config without them reads the
+# paper's objective below, which is what such a mask was learned with.
 ADDED_FIELDS = ("lm_weight", "distill_logits", "distill_temperature", "distill_hidden")
 # The paper's objective, the language-model loss alone. A saved config leaves out the fields that hold
 # these values, and a saved config without them reads them (older files: what those masks learned with).

@@ -236,6 +236,9 @@ class NamedMasksMixin:
         else:
             folder = resolve_mask_folder(name_or_path, revision, subfolder)
             config = read_config(folder)
+            config.resolve_objective(
+                is_causal_lm(self.base_model)
+            )  # a config saved before a model filled it in
             self._check_compatible(mask_name, config, f"the mask in {folder}")
             _check_base_model(folder, config, self.base_model)
         try:

@@ -291,6 +291,8 @@ def test_the_default_objective_distils_a_causal_lm_and_not_other_models(tmp_path
     assert out.distill_logits_loss.item() > 0
     llama.save_pretrained(tmp_path / "llama")
     assert MaskModel.from_pretrained(tiny_llama(), tmp_path / "llama").mask_config.distill_logits == 1.0
+    MaskConfig().save_pretrained(tmp_path / "llama")  # a config saved before a model filled it in: null
+    assert MaskModel.from_pretrained(tiny_llama(), tmp_path / "llama").mask_config.distill_logits == 1.0
 
     bert = get_mask_model(tiny_bert_mlm(), MaskConfig(prior="magnitude")).train()
     assert bert.mask_config.distill_logits == 0.0 and not bert.mask_config.distills
