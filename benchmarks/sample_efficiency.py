@@ -31,7 +31,10 @@ sample per sequence ``sample_efficiency_accum``, ``sample_efficiency_gemma_accum
 ``sample_efficiency_150steps_accum``; the temperature's end value ``sample_efficiency_tau_end``; the defaults at three seeds ``sample_efficiency_seeds``, one sample per two sequences at three seeds
 ``sample_efficiency_seeds_shared``; one 512-token sequence per step at three seeds ``sample_efficiency_seq512``;
 on Gemma-3, one sample per sequence against one per two sequences at seeds 1 and 2
-``sample_efficiency_gemma_seeds``; straight-through hard samples at three seeds ``sample_efficiency_hard``). ``--render`` rewrites a run's .md from its .json, each row labelled
+``sample_efficiency_gemma_seeds``; straight-through hard samples at three seeds ``sample_efficiency_hard``; the
+noiseless prior start ``sample_efficiency_nonoise*``; Adam's eps as a floor ``sample_efficiency_eps``; distilling
+the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` and, at 150 steps,
+``sample_efficiency_150steps_distill``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
 """
 
@@ -255,8 +258,6 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             ("1e-5", "1e-3"),
             ("3e-5", "2e-3"),
             ("1e-4", "3e-3"),
-            ("3e-5", "1e-3"),
-            ("1e-5", "5e-4"),
         )
     },
     # the prior's lead in raw logits (strength x init std) over almost no init noise, kappa scaled so the lead

@@ -21,12 +21,11 @@ __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "PAPER_MASK_CONFIG", "MaskConfig"]
 CONFIG_NAME = "mask_config.json"
 FORMAT_VERSION = 1
 SCHEDULES = ("linear", "cosine", "exponential")
-# Fields added after files of format version 1 were first written: a saved config without them reads the
-# paper's objective below, which is what such a mask was learned with.
-ADDED_FIELDS = ("lm_weight", "distill_logits", "distill_temperature", "distill_hidden")
 # The paper's objective, the language-model loss alone. A saved config leaves out the fields that hold
 # these values, and a saved config without them reads them (older files: what those masks learned with).
 PAPER_OBJECTIVE = {"lm_weight": 1.0, "distill_logits": 0.0, "distill_temperature": 1.0, "distill_hidden": 0.0}
+# Fields added after files of format version 1 were first written: the objective's.
+ADDED_FIELDS = tuple(PAPER_OBJECTIVE)
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 # The paper's temperature, logit scale, prior start and objective, where the defaults differ or may
 # differ: ``MaskConfig(prior=..., **PAPER_MASK_CONFIG)`` starts, anneals and learns as the paper does.
