@@ -228,6 +228,17 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         )
         for w in ("0.3", "1")
     },
+    "lm-tau2-alpha4-constlr+kl1-kappa100": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+        "kappa constant at 100",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 100.0)},
+        CONSTANT_LR,
+    ),
+    "lm-tau2-alpha4-constlr+kl3": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 3 x logit KL to the unmasked model (T=1)",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 3.0},
+        CONSTANT_LR,
+    ),
     **{
         f"lm-tau2-alpha4-constlr+kl1-seed{seed}": (
             "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "

@@ -22,8 +22,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import ConfigError
@@ -58,19 +56,59 @@ def _divisor(valid: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor | flo
     return valid.sum().clamp_min(1)
 
 
-# Logits per chunk of the KL: bounds its float32 temporaries (and those its backward recomputes) to 64 MiB
-# each, whatever the vocabulary; a whole batch's would be several of the logits' own size.
-KL_CHUNK_ELEMENTS = 1 << 24
+# Logits per chunk of the KL: 2^17 float32 values (512 KiB, 10 rows of a 49k vocabulary) keep a chunk's few
+# temporaries in the core's cache, so the value and the gradient cost a handful of passes over the logits.
+KL_CHUNK_ELEMENTS = 1 << 17
 
 
-def _kl_sum(
-    student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``KL(teacher || student)`` at ``temperature`` summed over the ``valid`` rows of ``[rows, vocab]``."""
-    s = F.log_softmax(student.float() / temperature, dim=-1)
-    t = F.log_softmax(teacher.float() / temperature, dim=-1)
-    kl = F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
-    return torch.where(valid, kl, 0.0).sum()
+class _FusedKL(torch.autograd.Function):
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` summed over the valid rows of ``[rows, vocab]``,
+    in float32; the gradient with respect to ``student`` (``T * (q - p)`` per valid row) is written in the same
+    pass, chunk by chunk, so the backward pass only scales it: no recomputation and no per-chunk autograd graph.
+    The teacher's logits are not kept for the backward pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        needs_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(student, memory_format=torch.contiguous_format) if needs_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        rows = max(1, KL_CHUNK_ELEMENTS // student.shape[-1])
+        for start in range(0, student.shape[0], rows):
+            stop = start + rows
+            keep = valid[start:stop]
+            s = student[start:stop].float()
+            t = teacher[start:stop].to(device=student.device, dtype=torch.float32)
+            if temperature != 1.0:
+                s, t = s / temperature, t / temperature
+            log_q = torch.log_softmax(s, dim=-1)
+            log_p = torch.log_softmax(t, dim=-1)
+            p = log_p.exp()
+            kl = torch.linalg.vecdot(p, log_p.sub_(log_q))  # sum_v p (log p - log q), per row
+            total += torch.where(keep, kl, 0.0).sum()
+            if grad is not None:
+                g = log_q.exp_().sub_(p)  # q - p
+                if temperature != 1.0:
+                    g.mul_(temperature)
+                g.masked_fill_(~keep.unsqueeze(-1), 0.0)
+                grad[start:stop].copy_(g)
+        ctx.grad = grad
+        return total * temperature**2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        grad, ctx.grad = (
+            ctx.grad,
+            None,
+        )  # a second backward through the same graph fails instead of reusing it
+        if grad is None:
+            raise RuntimeError(
+                "The logit distillation's gradient was already used: backward ran twice through the same "
+                "forward (retain_graph=True is not supported for this term)."
+            )
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None
 
 
 def logit_distillation(
@@ -83,25 +121,13 @@ def logit_distillation(
     """``T^2 * KL(teacher || student)`` of the next-token distributions at temperature ``T``, summed over
     ``valid`` positions (``[batch, seq]``) and divided like the language-model loss; float32.
 
-    Computed in chunks of rows, each recomputed in the backward pass (activation checkpointing): the
-    extra memory is one chunk's, not several copies of the batch's logits."""
+    Computed in chunks of rows that fit in cache, the gradient with respect to ``student`` in the same pass
+    (as fused cross-entropy kernels do): the extra memory is that gradient, which the backward pass needs
+    anyway, and one chunk's temporaries."""
     s = student.flatten(0, -2)
     t = teacher.flatten(0, -2)
     v = valid.flatten().to(s.device)
-    rows = max(1, KL_CHUNK_ELEMENTS // s.shape[-1])
-    total = torch.zeros((), dtype=torch.float32, device=s.device)
-    for start in range(0, s.shape[0], rows):
-        part = (
-            s[start : start + rows],
-            t[start : start + rows].to(s.device),
-            v[start : start + rows],
-            temperature,
-        )
-        if s.requires_grad:
-            total = total + torch.utils.checkpoint.checkpoint(_kl_sum, *part, use_reentrant=False)
-        else:
-            total = total + _kl_sum(*part)
-    return total * temperature**2 / _divisor(valid, num_items_in_batch)
+    return _FusedKL.apply(s, t, v, float(temperature)) / _divisor(valid, num_items_in_batch)
 
 
 def hidden_distillation(

@@ -324,22 +324,57 @@ def test_a_causal_lm_class_of_remote_code_is_accepted():
     assert "distill_logits_loss" in model(input_ids=ids, labels=ids)
 
 
-def test_the_chunked_logit_distillation_matches_the_whole_batch_value_and_gradient(monkeypatch):
-    """The KL runs in chunks of rows, each recomputed in the backward pass: the same value and gradient
-    as the whole batch at once (float64 reference), whatever the chunk size, padding rows included."""
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_chunked_logit_distillation_matches_the_whole_batch_value_and_gradient(monkeypatch, temperature):
+    """The KL runs in chunks of rows, its gradient written in the same pass: the same value and gradient as
+    the whole batch at once (float64 reference), whatever the chunk size, padding rows included."""
     from hf_maskllm.adapters import objective
 
     gen = torch.Generator().manual_seed(12)
     student = (torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_()
     teacher = torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3
     valid = predicted_positions(_labels(3, 7, 13))
-    s = torch.log_softmax(student / 2.0, -1)
-    t = torch.log_softmax(teacher / 2.0, -1)
-    reference = 4.0 * (t.exp() * (t - s)).sum(-1)[valid].sum() / valid.sum()
-    (expected,) = torch.autograd.grad(reference, student)
+    s = torch.log_softmax(student / temperature, -1)
+    t = torch.log_softmax(teacher / temperature, -1)
+    reference = temperature**2 * (t.exp() * (t - s)).sum(-1)[valid].sum() / valid.sum()
+    (expected,) = torch.autograd.grad(reference * 3.0, student)
     for chunk_elements in (11, 33, 11 * 5, 1 << 24):  # 1, 3 and 5 rows per chunk, and all at once
         monkeypatch.setattr(objective, "KL_CHUNK_ELEMENTS", chunk_elements)
-        got = logit_distillation(student, teacher, valid, 2.0)
-        (grad,) = torch.autograd.grad(got, student)
+        got = logit_distillation(student, teacher, valid, temperature)
+        (grad,) = torch.autograd.grad(got * 3.0, student)  # the upstream gradient scales the stored one
         assert got.item() == pytest.approx(reference.item(), rel=1e-6)
         torch.testing.assert_close(grad, expected.float().double(), rtol=1e-5, atol=1e-7)
+        assert torch.all(grad[~valid] == 0)
+
+
+def test_bf16_logit_distillation_gives_a_bf16_gradient_within_its_rounding_of_float64():
+    gen = torch.Generator().manual_seed(21)
+    student = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).bfloat16().requires_grad_()
+    teacher = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).bfloat16()
+    valid = predicted_positions(_labels(2, 9, 22))
+    s64 = student.detach().double().requires_grad_()
+    s, t = torch.log_softmax(s64, -1), torch.log_softmax(teacher.double(), -1)
+    reference = (t.exp() * (t - s)).sum(-1)[valid].sum() / valid.sum()
+    (expected,) = torch.autograd.grad(reference, s64)
+    got = logit_distillation(student, teacher, valid)
+    (grad,) = torch.autograd.grad(got, student)
+    assert got.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    assert got.item() == pytest.approx(reference.item(), rel=1e-5)
+    torch.testing.assert_close(grad.double(), expected, rtol=1 / 128, atol=1e-6)
+
+
+def test_the_logit_distillation_keeps_no_teacher_logits_and_refuses_a_second_backward():
+    import weakref
+
+    gen = torch.Generator().manual_seed(23)
+    student = torch.randn(2, 5, 13, generator=gen).requires_grad_()
+    teacher = torch.randn(2, 5, 13, generator=gen)
+    valid = predicted_positions(_labels(2, 5, 24))
+    alive = weakref.ref(teacher)
+    loss = logit_distillation(student, teacher, valid)
+    del teacher
+    assert alive() is None  # the teacher's logits are freed once the value and the gradient are computed
+    loss.backward(retain_graph=True)
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
