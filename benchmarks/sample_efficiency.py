@@ -235,6 +235,12 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 100.0)},
         CONSTANT_LR,
     ),
+    "lm-tau2-alpha4-constlr+kl1-kappa1000": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+        "kappa 100 -> 1000",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
+        CONSTANT_LR,
+    ),
     "lm-tau2-alpha4-constlr+kl3": (
         "tau 2 -> 0.05, strength 4, constant rate, LM loss + 3 x logit KL to the unmasked model (T=1)",
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 3.0},
