@@ -56,9 +56,11 @@ def _divisor(valid: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor | flo
     return valid.sum().clamp_min(1)
 
 
-# Logits per chunk of the KL: 2^17 float32 values (512 KiB, 10 rows of a 49k vocabulary) keep a chunk's few
-# temporaries in the core's cache, so the value and the gradient cost a handful of passes over the logits.
+# Logits per chunk of the KL. On a CPU 2^17 float32 values (512 KiB: two rows of a 49k vocabulary, at least
+# one row of any) keep a chunk's few temporaries in the core's cache, so the value and the gradient cost a
+# handful of passes over the logits. On an accelerator, 2^24 (64 MiB) keeps each kernel launch busy.
 KL_CHUNK_ELEMENTS = 1 << 17
+KL_CHUNK_ELEMENTS_ACCELERATOR = 1 << 24
 
 
 class _FusedKL(torch.autograd.Function):
@@ -71,10 +73,15 @@ class _FusedKL(torch.autograd.Function):
     def forward(
         ctx: Any, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, temperature: float
     ) -> torch.Tensor:
+        # float16 logits keep their gradient in float32 until the loss scale arrives in backward (small q - p
+        # would underflow, a large scale overflow); bfloat16 has float32's range
+        ctx.dtype = student.dtype
+        buffer = torch.float32 if student.dtype == torch.float16 else student.dtype
         needs_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(student, memory_format=torch.contiguous_format) if needs_grad else None
+        grad = torch.empty(student.shape, dtype=buffer, device=student.device) if needs_grad else None
         total = torch.zeros((), dtype=torch.float32, device=student.device)
-        rows = max(1, KL_CHUNK_ELEMENTS // student.shape[-1])
+        chunk = KL_CHUNK_ELEMENTS if student.device.type == "cpu" else KL_CHUNK_ELEMENTS_ACCELERATOR
+        rows = max(1, chunk // student.shape[-1])
         for start in range(0, student.shape[0], rows):
             stop = start + rows
             keep = valid[start:stop]
@@ -99,16 +106,15 @@ class _FusedKL(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        grad, ctx.grad = (
-            ctx.grad,
-            None,
-        )  # a second backward through the same graph fails instead of reusing it
+        # the gradient lives on ctx, not in save_for_backward (saved-tensor hooks such as CPU offloading do
+        # not see it); taking it off ctx makes a second backward through the same graph fail, not reuse it
+        grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError(
                 "The logit distillation's gradient was already used: backward ran twice through the same "
                 "forward (retain_graph=True is not supported for this term)."
             )
-        return grad.mul_(grad_output.to(grad.dtype)), None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)).to(ctx.dtype), None, None, None
 
 
 def logit_distillation(
@@ -124,8 +130,8 @@ def logit_distillation(
     Computed in chunks of rows that fit in cache, the gradient with respect to ``student`` in the same pass
     (as fused cross-entropy kernels do): the extra memory is that gradient, which the backward pass needs
     anyway, and one chunk's temporaries."""
-    s = student.flatten(0, -2)
-    t = teacher.flatten(0, -2)
+    s = (student if torch.is_grad_enabled() else student.detach()).flatten(0, -2)  # no gradient buffer then
+    t = teacher.detach().flatten(0, -2)  # a target: no gradient flows to the teacher
     v = valid.flatten().to(s.device)
     return _FusedKL.apply(s, t, v, float(temperature)) / _divisor(valid, num_items_in_batch)
 

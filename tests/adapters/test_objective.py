@@ -347,20 +347,41 @@ def test_the_chunked_logit_distillation_matches_the_whole_batch_value_and_gradie
         assert torch.all(grad[~valid] == 0)
 
 
-def test_bf16_logit_distillation_gives_a_bf16_gradient_within_its_rounding_of_float64():
+@pytest.mark.parametrize(
+    ("dtype", "rtol"), [(torch.float32, 1e-5), (torch.bfloat16, 1 / 128), (torch.float16, 1 / 1024)]
+)
+def test_16_and_32_bit_logits_get_a_gradient_of_their_dtype_within_its_rounding_of_float64(dtype, rtol):
+    """Under a loss scale, as mixed precision runs: float16 keeps the gradient in float32 until the scale
+    arrives, so small entries neither underflow nor overflow. The student's own tensor is left untouched."""
     gen = torch.Generator().manual_seed(21)
-    student = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).bfloat16().requires_grad_()
-    teacher = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).bfloat16()
+    student = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).to(dtype).requires_grad_()
+    teacher = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    before = student.detach().clone()
     valid = predicted_positions(_labels(2, 9, 22))
     s64 = student.detach().double().requires_grad_()
     s, t = torch.log_softmax(s64, -1), torch.log_softmax(teacher.double(), -1)
     reference = (t.exp() * (t - s)).sum(-1)[valid].sum() / valid.sum()
     (expected,) = torch.autograd.grad(reference, s64)
+    scale = 1024.0
     got = logit_distillation(student, teacher, valid)
-    (grad,) = torch.autograd.grad(got, student)
-    assert got.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    (grad,) = torch.autograd.grad(got * scale, student)
+    assert got.dtype == torch.float32 and grad.dtype == dtype
     assert got.item() == pytest.approx(reference.item(), rel=1e-5)
-    torch.testing.assert_close(grad.double(), expected, rtol=1 / 128, atol=1e-6)
+    torch.testing.assert_close(grad.double() / scale, expected, rtol=rtol, atol=1e-9)
+    assert torch.equal(student.detach(), before)
+
+
+def test_the_teacher_gets_no_gradient_and_evaluation_builds_no_graph():
+    gen = torch.Generator().manual_seed(25)
+    student = torch.randn(2, 6, 17, generator=gen).requires_grad_()
+    teacher = torch.randn(2, 6, 17, generator=gen).requires_grad_()
+    valid = predicted_positions(_labels(2, 6, 26))
+    loss = logit_distillation(student, teacher, valid)
+    loss.backward()
+    assert teacher.grad is None and student.grad is not None
+    with torch.no_grad():
+        value = logit_distillation(student, teacher, valid)
+    assert value.grad_fn is None and value.item() == pytest.approx(loss.item(), rel=1e-6)
 
 
 def test_the_logit_distillation_keeps_no_teacher_logits_and_refuses_a_second_backward():
