@@ -127,7 +127,7 @@ def logit_distillation(
     """``T^2 * KL(teacher || student)`` of the next-token distributions at temperature ``T``, summed over
     ``valid`` positions (``[batch, seq]``) and divided like the language-model loss; float32.
 
-    Computed in chunks of rows that fit in cache, the gradient with respect to ``student`` in the same pass
+    Computed in chunks of rows (sized for the cache on a CPU), the gradient with respect to ``student`` in the same pass
     (as fused cross-entropy kernels do): the extra memory is that gradient, which the backward pass needs
     anyway, and one chunk's temporaries."""
     s = (student if torch.is_grad_enabled() else student.detach()).flatten(0, -2)  # no gradient buffer then
