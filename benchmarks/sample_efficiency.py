@@ -247,6 +247,21 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 3.0},
         CONSTANT_LR,
     ),
+    # the learning rate at 150 steps: a logit travels at most lr x steps, against the prior's lead of 0.04
+    **{
+        f"lm-tau2-alpha4-constlr{lr}+kl1": (
+            f"tau 2 -> 0.05, strength 4, constant rate {lr}, LM loss + 1 x logit KL to the unmasked model (T=1)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
+            {**CONSTANT_LR, "learning_rate": float(lr)},
+        )
+        for lr in ("1.5e-4", "2.5e-4")
+    },
+    "lm-tau2-alpha4-lrlinear1e-4+kl1": (
+        "tau 2 -> 0.05, strength 4, rate 5e-4 falling linearly to 1e-4 (as kappa rises 5x), LM loss + 1 x logit "
+        "KL to the unmasked model (T=1)",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
+        {"lr_scheduler_type": "polynomial", "lr_scheduler_kwargs": {"lr_end": 1e-4, "power": 1.0}},
+    ),
     **{
         f"lm-tau2-alpha4-constlr+kl1-seed{seed}": (
             "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
