@@ -254,7 +254,7 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
             {**CONSTANT_LR, "learning_rate": float(lr)},
         )
-        for lr in ("1.5e-4", "2.5e-4")
+        for lr in ("1.5e-4", "2.5e-4", "7e-4", "1e-3")
     },
     "lm-tau2-alpha4-lrlinear1e-4+kl1": (
         "tau 2 -> 0.05, strength 4, rate 5e-4 falling linearly to 1e-4 (as kappa rises 5x), LM loss + 1 x logit "
