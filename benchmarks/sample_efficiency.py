@@ -35,7 +35,8 @@ on Gemma-3, one sample per sequence against one per two sequences at seeds 1 and
 noiseless prior start ``sample_efficiency_nonoise*``; Adam's eps as a floor ``sample_efficiency_eps``; distilling
 the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` and, at 150 steps,
 ``sample_efficiency_150steps_distill``; its kappa and KL weight at 150 steps
-``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; seeds 1 and 2 of the default with
+``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
+``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; seeds 1 and 2 of the default with
 the KL's gradient computed in its forward pass ``sample_efficiency_distill_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
 """
