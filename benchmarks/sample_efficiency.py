@@ -36,7 +36,9 @@ noiseless prior start ``sample_efficiency_nonoise*``; Adam's eps as a floor ``sa
 the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` and, at 150 steps,
 ``sample_efficiency_150steps_distill``; its kappa and KL weight at 150 steps
 ``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
-``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; seeds 1 and 2 of the default with
+``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
+``sample_efficiency_150steps_tau``; the KL against the language-model loss on Gemma-3 at seed 0
+``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with
 the KL's gradient computed in its forward pass ``sample_efficiency_distill_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
 """
@@ -256,6 +258,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {**CONSTANT_LR, "learning_rate": float(lr)},
         )
         for lr in ("1.5e-4", "2.5e-4", "7e-4", "1e-3")
+    },
+    # the temperature's start at 150 steps, where there is time to explore
+    **{
+        f"lm-tau{t}-alpha4-constlr+kl1": (
+            f"tau {t} -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1)",
+            {"tau": (float(t), 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
+            CONSTANT_LR,
+        )
+        for t in ("1", "4")
     },
     "lm-tau2-alpha4-lrlinear1e-4+kl1": (
         "tau 2 -> 0.05, strength 4, rate 5e-4 falling linearly to 1e-4 (as kappa rises 5x), LM loss + 1 x logit "
