@@ -37,7 +37,7 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 ``sample_efficiency_150steps_distill``; its kappa and KL weight at 150 steps
 ``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
 ``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
-``sample_efficiency_150steps_tau``; the KL against the language-model loss on Gemma-3 at seed 0
+``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with
 the KL's gradient computed in its forward pass ``sample_efficiency_distill_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
@@ -258,6 +258,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {**CONSTANT_LR, "learning_rate": float(lr)},
         )
         for lr in ("1.5e-4", "2.5e-4", "7e-4", "1e-3")
+    },
+    # the prior's strength at 150 steps: how far the prior's lead holds against more steps of travel
+    **{
+        f"lm-tau2-alpha{a}-constlr+kl1": (
+            f"tau 2 -> 0.05, strength {a}, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1)",
+            {"tau": (2.0, 0.05), "prior_strength": float(a), "distill_logits": 1.0},
+            CONSTANT_LR,
+        )
+        for a in ("3.5", "4.5")
     },
     # the temperature's start at 150 steps, where there is time to explore
     **{
