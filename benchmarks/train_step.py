@@ -49,6 +49,7 @@ MODES = {
     "masked-recompute": "masked 2:4, as above, sample recomputed in the backward (GPU default)",
     "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
     "masked-kl": "masked 2:4, as masked, + logit KL to the unmasked model (its forward every step)",
+    "masked-kl-fp32": "masked 2:4, as masked-kl, the unmasked model's forward in float32 (not bfloat16 autocast)",
 }
 TAUS = "4,1,0.3,0.05"
 
@@ -152,7 +153,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
         # the paper's start and schedule: logits spread like a trained run, the widest tau range
-        objective = {"distill_logits": 1.0} if mode == "masked-kl" else {}
+        objective = {"distill_logits": 1.0} if mode.startswith("masked-kl") else {}
         config = MaskConfig(prior="magnitude", **{**PAPER_MASK_CONFIG, **objective})
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
@@ -161,6 +162,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         mask_model.set_compiled_sampling(compiled)
         mask_model.set_recompute_sampling(True if mode == "masked-recompute" else None)
         mask_model.set_candidate_major_logits(True)  # as MaskAnnealCallback sets it for a Trainer run
+        mask_model.set_teacher_bf16(False if mode == "masked-kl-fp32" else None)
         optimizer = MaskAdamW(mask_model.parameters(), lr=5e-4, compile=compiled)
 
         def masked_step() -> None:
@@ -198,7 +200,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["state_bytes_per_weight"] = (
             sizes["total"] / masked
         )  # optimizer + logits + grads (no callback here)
-        if mode in ("masked", "masked-kl") and args.run_steps > 0 and tokenizer is not None:
+        if mode in ("masked", "masked-kl", "masked-kl-fp32") and args.run_steps > 0 and tokenizer is not None:
             with torch.no_grad():  # the run starts from the prior again
                 for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
                     layer.mask_logits.copy_(logits)
@@ -250,7 +252,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="dense,masked",
-        help="dense, masked, masked-recompute, masked-eager, masked-kl (comma separated)",
+        help="dense, masked, masked-recompute, masked-eager, masked-kl, masked-kl-fp32 (comma separated)",
     )
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")

@@ -2,7 +2,8 @@
 
 While the masks learn, the weights are frozen, so the unmasked model is at hand for free: the same
 weights run without masks (:meth:`MaskModel.disable_masks`). :func:`teacher_pass` runs it without
-autograd; :func:`objective_terms` compares the masked model's outputs with it:
+autograd, in bfloat16 where the device multiplies it natively (:func:`teacher_autocast`);
+:func:`objective_terms` compares the masked model's outputs with it:
 
 - ``distill_logits``: ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per predicted token;
 - ``distill_hidden``: ``||h_student - h_teacher||^2 / ||h_teacher||^2`` per token, after every decoder
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..numerics.fused_linear import native_bf16_matmul
 from .config import MaskConfig
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "logit_distillation",
     "objective_terms",
     "predicted_positions",
+    "teacher_autocast",
     "teacher_pass",
 ]
 
@@ -166,16 +169,36 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = mode
 
 
+def teacher_autocast(model: nn.Module, bf16: bool | None = None) -> contextlib.AbstractContextManager:
+    """The autocast context of the unmasked model's pass: bfloat16 when ``bf16`` is True or, with ``bf16=None``,
+    when ``model`` computes in float32 and its device multiplies bfloat16 natively; none under an active
+    autocast (the pass follows it) or otherwise."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return contextlib.nullcontext()
+    device = param.device
+    if torch.is_autocast_enabled(device.type) or bf16 is False:
+        return contextlib.nullcontext()
+    if bf16 is None and not (param.dtype == torch.float32 and native_bf16_matmul(device)):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 @torch.no_grad()
 def teacher_pass(
-    model: nn.Module, dense: contextlib.AbstractContextManager, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module,
+    dense: contextlib.AbstractContextManager,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    bf16: bool | None = None,
 ) -> Any:
     """The unmasked model's outputs (no autograd, eval mode) for the forward arguments; ``dense`` is the
-    context in which ``model`` runs without masks. No loss is computed."""
+    context in which ``model`` runs without masks; ``bf16`` as :func:`teacher_autocast` takes it. No loss is
+    computed."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "num_items_in_batch")}
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False  # no key-value cache for a single pass
-    with dense, _eval_mode(model):
+    with dense, _eval_mode(model), teacher_autocast(model, bf16):
         return model(*args, **kwargs)
 
 

@@ -2,8 +2,8 @@
 
 :class:`MaskSchedule` holds everything that changes how the masked layers run during training: the
 Gumbel temperature ``tau``, the logit scale ``kappa``, straight-through sampling, the sparse weight
-regulariser's weight and divisor, and whether the sampling is compiled or recomputed in the backward
-pass. A :class:`~hf_maskllm.MaskModel` creates one and hands the same object to each of its
+regulariser's weight and divisor, whether the sampling is compiled or recomputed in the backward
+pass, and the precision of the unmasked model's pass that the distillation objective compares with. A :class:`~hf_maskllm.MaskModel` creates one and hands the same object to each of its
 :class:`~hf_maskllm.MaskedLinear` layers; :class:`~hf_maskllm.MaskAnnealCallback` (or a custom loop,
 through ``MaskModel.set_schedule_values``) updates it once per step with :meth:`MaskSchedule.update`.
 """
@@ -53,6 +53,9 @@ class MaskSchedule:
         compiled_sampling: Run the fused sampling passes through ``torch.compile``.
         recompute_sampling: Regenerate each layer's sample in the backward pass instead of keeping its
             probabilities; ``None``: keep on CPU, recompute on GPUs.
+        teacher_bf16: Run the unmasked model's pass (the distillation target) under bfloat16 autocast;
+            ``None``: when the model computes in float32, no autocast is active and the device multiplies
+            bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX).
         driven: Whether a callback or training loop has set the schedule (a model training without
             one warns once).
         last_reg_loss: The regulariser's value (weight included) in the last training forward that
@@ -68,6 +71,7 @@ class MaskSchedule:
     reg_divisor: int = 1
     compiled_sampling: bool = False
     recompute_sampling: bool | None = None
+    teacher_bf16: bool | None = None
     driven: bool = False
     last_reg_loss: torch.Tensor | None = None
     last_objective_terms: dict[str, torch.Tensor] | None = None

@@ -1,6 +1,7 @@
 """The training objective: distillation from the unmasked model (logits and hidden states), checked against
-a hand computation; the teacher pass reuses the frozen weights and leaves them untouched; the terms are
-divided like the language-model loss, so gradient accumulation sums to the one-batch gradient."""
+a hand computation (the teacher in float32 or under bfloat16 autocast); the teacher pass reuses the frozen
+weights and leaves them untouched; the terms are divided like the language-model loss, so gradient
+accumulation sums to the one-batch gradient."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from trainer_helpers import TokenDataset, random_tokens, training_args
 from transformers import Trainer
 
 from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
-from hf_maskllm.adapters.objective import hidden_distillation, logit_distillation, predicted_positions
+from hf_maskllm.adapters import objective
+from hf_maskllm.adapters.objective import (
+    hidden_distillation,
+    logit_distillation,
+    predicted_positions,
+    teacher_autocast,
+)
 from hf_maskllm.errors import ConfigError
 
 
@@ -94,9 +101,11 @@ def _models(build=tiny_llama, **fields):
     return distilling, plain
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["teacher-fp32", "teacher-bf16"])
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build):
+def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build, bf16):
     distilling, plain = _models(build, **DISTILL)
+    assert distilling.set_teacher_bf16(bf16) is None  # the default: chosen for the device
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
     labels[0, :4] = -100
@@ -105,10 +114,11 @@ def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build):
     out.loss.backward()
 
     # by hand: the dense model without masks (eval mode), the masked model's own outputs
-    with torch.no_grad(), plain.disable_masks():
+    with torch.no_grad(), plain.disable_masks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         plain.eval()
         teacher = plain(input_ids=ids, output_hidden_states=True)
         plain.train()
+    assert teacher.logits.dtype == (torch.bfloat16 if bf16 else torch.float32)
     torch.manual_seed(7)
     student = plain(input_ids=ids, labels=labels, output_hidden_states=True)
     valid = predicted_positions(labels)
@@ -123,6 +133,18 @@ def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build):
     for name, layer in distilling.masked_layers().items():
         expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
         torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
+
+
+def test_the_teacher_runs_in_bfloat16_where_the_device_multiplies_it_natively(monkeypatch):
+    model = tiny_llama()
+    for native in (False, True):
+        monkeypatch.setattr(objective, "native_bf16_matmul", lambda device, native=native: native)
+        assert isinstance(teacher_autocast(model), torch.autocast) is native  # the default: the device's
+        assert isinstance(teacher_autocast(model, bf16=True), torch.autocast)  # asked for: always
+        assert not isinstance(teacher_autocast(model, bf16=False), torch.autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # an active autocast decides
+            assert not isinstance(teacher_autocast(model, bf16=True), torch.autocast)
+    assert not isinstance(teacher_autocast(model.to(torch.bfloat16)), torch.autocast)  # not float32: as it is
 
 
 def test_the_teacher_pass_reuses_the_frozen_weights_and_leaves_them_untouched():
