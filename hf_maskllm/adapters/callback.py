@@ -26,6 +26,7 @@ from ..optim import MaskAdamW, compiler_available, local_shard
 from ..patterns import candidate_patterns
 from ..training_args import recipe_departures
 from .model import MaskModel
+from .objective import teacher_autocast
 from .schedule import schedule_value
 
 __all__ = ["MaskAnnealCallback", "find_mask_model"]
@@ -281,6 +282,13 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             self._first_step_start = time.perf_counter()
         if compiled and self.log_mask_stats:
             self._compile_statistics(mask_model)
+        config = mask_model.mask_config
+        teacher = teacher_autocast(mask_model.base_model, mask_model.schedule.teacher_bf16)
+        if config.distills and isinstance(teacher, torch.autocast):
+            logger.info(
+                "The unmasked model's pass (the distillation target) runs under bfloat16 autocast; "
+                "mask_model.set_teacher_bf16(False) runs it in float32."
+            )
 
     @torch.no_grad()
     def _compile_statistics(self, mask_model: MaskModel) -> None:

@@ -6,6 +6,7 @@ accumulation sums to the one-batch gradient."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -193,14 +194,18 @@ def test_accumulated_micro_batches_give_the_one_batch_gradient():
         torch.testing.assert_close(got, layer.mask_logits.grad, rtol=1e-4, atol=1e-8)
 
 
-def test_a_trainer_run_logs_the_terms_and_the_language_model_loss(tmp_path):
+@pytest.mark.parametrize("native", [False, True], ids=["fp32-device", "bf16-device"])
+def test_a_trainer_run_logs_the_terms_and_the_language_model_loss(tmp_path, caplog, monkeypatch, native):
+    monkeypatch.setattr(objective, "native_bf16_matmul", lambda device: native)
     mask_model = get_mask_model(tiny_llama(), MaskConfig(prior="magnitude", distill_logits=1.0))
     args = training_args(tmp_path, max_steps=2)
     trainer = Trainer(
         model=mask_model, args=args, train_dataset=TokenDataset(random_tokens(16, 0)),
         callbacks=[MaskAnnealCallback()],
     )  # fmt: skip
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="hf_maskllm.adapters.callback"):
+        trainer.train()
+    assert ("runs under bfloat16 autocast" in caplog.text) is native  # the teacher's precision is said
     logged = [row for row in trainer.state.log_history if "loss" in row and "train_runtime" not in row]
     assert logged and all(
         row["distill_logits_loss"] > 0 and "distill_hidden_loss" not in row for row in logged
