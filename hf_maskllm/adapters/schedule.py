@@ -3,7 +3,8 @@
 :class:`MaskSchedule` holds everything that changes how the masked layers run during training: the
 Gumbel temperature ``tau``, the logit scale ``kappa``, straight-through sampling, the sparse weight
 regulariser's weight and divisor, whether the sampling is compiled or recomputed in the backward
-pass, and the precision of the unmasked model's pass that the distillation objective compares with. A :class:`~hf_maskllm.MaskModel` creates one and hands the same object to each of its
+pass, and the precision of the unmasked model's pass that the distillation objective compares with. A
+:class:`~hf_maskllm.MaskModel` creates one and hands the same object to each of its
 :class:`~hf_maskllm.MaskedLinear` layers; :class:`~hf_maskllm.MaskAnnealCallback` (or a custom loop,
 through ``MaskModel.set_schedule_values``) updates it once per step with :meth:`MaskSchedule.update`.
 """
