@@ -270,10 +270,10 @@ class MaskModel(NamedMasksMixin, nn.Module):
         bfloat16 autocast; returns the previous setting.
 
         ``None`` (the default): when the model computes in float32, no autocast is active and the device
-        multiplies bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX), where it is about twice as fast
-        and differs from the float32 pass by far less than the masked model does (docs/training.md has the
-        measurements). ``False`` runs it as the model computes; under an active autocast the pass always
-        follows it.
+        multiplies bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX), where the pass takes about half
+        the time and the masks learn as well (docs/training.md has the measurements). ``True`` asks for it
+        anywhere; ``False`` runs the pass as the model computes. Under an active autocast the pass always
+        follows that autocast.
         """
         previous = self.schedule.teacher_bf16
         self.schedule.update(teacher_bf16=None if enabled is None else bool(enabled))
