@@ -37,7 +37,8 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 ``sample_efficiency_150steps_distill``; its kappa and KL weight at 150 steps
 ``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
 ``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
-``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength``;
+``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength`` and,
+with the unmasked model in bfloat16, ``sample_efficiency_150steps_teacher``;
 the unmasked model's pass in bfloat16 against float32 ``sample_efficiency_teacher`` (SmolLM2) and
 ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with the KL's gradient computed in its
