@@ -269,7 +269,7 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {"tau": (2.0, 0.05), "prior_strength": float(a), "distill_logits": 1.0},
             CONSTANT_LR,
         )
-        for a in ("3.5", "4.5", "5", "5.5")
+        for a in ("3.5", "4.5", "5")
     },
     # the temperature's start at 150 steps, where there is time to explore
     **{

@@ -284,7 +284,8 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             self._compile_statistics(mask_model)
         config = mask_model.mask_config
         teacher = teacher_autocast(mask_model.base_model, mask_model.schedule.teacher_bf16)
-        if config.distills and isinstance(teacher, torch.autocast):
+        # under fp16 mixed precision the Trainer's own autocast decides the pass's precision
+        if config.distills and isinstance(teacher, torch.autocast) and not getattr(args, "fp16", False):
             logger.info(
                 "The unmasked model's pass (the distillation target) runs under bfloat16 autocast; "
                 "mask_model.set_teacher_bf16(False) runs it in float32."
