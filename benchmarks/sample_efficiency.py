@@ -38,7 +38,8 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 ``sample_efficiency_150steps_schedule`` and ``sample_efficiency_150steps_kappa``; its learning rate at 150 steps
 ``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
 ``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength`` and,
-with the unmasked model in bfloat16, ``sample_efficiency_150steps_teacher``;
+with the unmasked model in bfloat16, ``sample_efficiency_150steps_teacher``; the hidden-state term beside the KL
+and no sparse weight regulariser at 150 steps ``sample_efficiency_150steps_terms``;
 the unmasked model's pass in bfloat16 against float32 ``sample_efficiency_teacher`` (SmolLM2) and
 ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with the KL's gradient computed in its
@@ -287,6 +288,19 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         "the unmasked model in float32",
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0},
         {**CONSTANT_LR, "teacher_bf16": False},
+    ),
+    # at 150 steps: the hidden-state term beside the logit KL, and the sparse weight regulariser's part
+    "lm-tau2-alpha4-constlr+kl1+hidden0.1": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1) "
+        "+ 0.1 x hidden-state MSE",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "distill_hidden": 0.1},
+        CONSTANT_LR,
+    ),
+    "lm-tau2-alpha4-constlr+kl1-reg0": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+        "no sparse weight regulariser",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "sparse_reg": 0.0},
+        CONSTANT_LR,
     ),
     "lm-tau2-alpha4-lrlinear1e-4+kl1": (
         "tau 2 -> 0.05, strength 4, rate 5e-4 falling linearly to 1e-4 (as kappa rises 5x), LM loss + 1 x logit "
