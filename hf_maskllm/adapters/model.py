@@ -27,7 +27,7 @@ from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
-from .objective import apply_objective, check_causal_lm, teacher_pass
+from .objective import apply_objective, check_causal_lm, fused_lm_loss, teacher_pass
 from .prior_init import apply_prior_rule
 from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks, source_targets
 from .schedule import MaskSchedule
@@ -171,11 +171,13 @@ class MaskModel(NamedMasksMixin, nn.Module):
                 teacher = teacher_pass(
                     self.base_model, self.disable_masks(), args, kwargs, bf16=schedule.teacher_bf16
                 )
-        with collect_regulariser() as regs:
+        # with the logit KL in the language-model loss's pass over the logits where the model's loss allows
+        lm_loss = fused_lm_loss(self.base_model, teacher, config) if objective else contextlib.nullcontext()
+        with collect_regulariser() as regs, lm_loss as fused:
             outputs = self.base_model(*args, **kwargs)
         if objective and getattr(outputs, "loss", None) is not None:
             terms = apply_objective(
-                config, outputs, teacher, kwargs["labels"], kwargs.get("num_items_in_batch")
+                config, outputs, teacher, kwargs["labels"], kwargs.get("num_items_in_batch"), fused
             )
             schedule.last_objective_terms = terms  # logged by MaskAnnealCallback
         if not track:

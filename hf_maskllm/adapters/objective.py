@@ -3,7 +3,8 @@
 While the masks learn, the weights are frozen, so the unmasked model is at hand for free: the same
 weights run without masks (:meth:`MaskModel.disable_masks`). :func:`teacher_pass` runs it without
 autograd, in bfloat16 where the device multiplies it natively (:func:`teacher_autocast`);
-:func:`objective_terms` compares the masked model's outputs with it:
+:func:`objective_terms` compares the masked model's outputs with it (the logit KL in the language-model
+loss's own pass over the logits where the model's loss allows: :func:`fused_lm_loss`):
 
 - ``distill_logits``: ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per predicted token;
 - ``distill_hidden``: ``||h_student - h_teacher||^2 / ||h_teacher||^2`` per token, after every decoder
@@ -30,8 +31,10 @@ from ..numerics.fused_linear import native_bf16_matmul
 from .config import MaskConfig
 
 __all__ = [
+    "FusedCausalLMLoss",
     "apply_objective",
     "check_causal_lm",
+    "fused_lm_loss",
     "hidden_distillation",
     "is_causal_lm",
     "logit_distillation",
@@ -66,23 +69,34 @@ KL_CHUNK_ELEMENTS = 1 << 17
 KL_CHUNK_ELEMENTS_ACCELERATOR = 1 << 24
 
 
-class _FusedKL(torch.autograd.Function):
-    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` summed over the valid rows of ``[rows, vocab]``,
-    in float32; the gradient with respect to ``student`` (``T * (q - p)`` per valid row) is written in the same
-    pass, chunk by chunk, so the backward pass only scales it: no recomputation and no per-chunk autograd graph.
-    The teacher's logits are not kept for the backward pass."""
+class _FusedLogitObjective(torch.autograd.Function):
+    """``kl_weight * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + lm_weight * CE(student, targets)``
+    summed over the valid rows of ``[rows, vocab]``, in float32; the gradient with respect to ``student``
+    (``kl_weight * T * (q_T - p_T) + lm_weight * (q - onehot)`` per valid row) is written in the same pass,
+    chunk by chunk, so the backward pass only scales it: no recomputation and no per-chunk autograd graph.
+    ``targets`` (``[rows]``, -100 where not counted; None: the KL alone) also marks the valid rows then.
+    Returns the weighted sum and, without gradient, the KL's and the cross-entropy's unweighted sums. The
+    teacher's logits are not kept for the backward pass."""
 
     @staticmethod
     def forward(
-        ctx: Any, student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, temperature: float
-    ) -> torch.Tensor:
+        ctx: Any,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        valid: torch.Tensor,
+        targets: torch.Tensor | None,
+        temperature: float,
+        kl_weight: float,
+        lm_weight: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # float16 logits keep their gradient in float32 until the loss scale arrives in backward (small q - p
         # would underflow, a large scale overflow); bfloat16 has float32's range
         ctx.dtype = student.dtype
         buffer = torch.float32 if student.dtype == torch.float16 else student.dtype
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty(student.shape, dtype=buffer, device=student.device) if needs_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        kl_total = torch.zeros((), dtype=torch.float32, device=student.device)
+        ce_total = torch.zeros((), dtype=torch.float32, device=student.device)
         chunk = KL_CHUNK_ELEMENTS if student.device.type == "cpu" else KL_CHUNK_ELEMENTS_ACCELERATOR
         rows = max(1, chunk // student.shape[-1])
         for start in range(0, student.shape[0], rows):
@@ -90,25 +104,39 @@ class _FusedKL(torch.autograd.Function):
             keep = valid[start:stop]
             s = student[start:stop].float()
             t = teacher[start:stop].to(device=student.device, dtype=torch.float32)
-            if temperature != 1.0:
-                s, t = s / temperature, t / temperature
-            log_q = torch.log_softmax(s, dim=-1)
-            log_p = torch.log_softmax(t, dim=-1)
+            log_q = torch.log_softmax(s / temperature if temperature != 1.0 else s, dim=-1)
+            log_p = torch.log_softmax(t / temperature if temperature != 1.0 else t, dim=-1)
             p = log_p.exp()
             kl = torch.linalg.vecdot(p, log_p.sub_(log_q))  # sum_v p (log p - log q), per row
-            total += torch.where(keep, kl, 0.0).sum()
-            if grad is not None:
-                g = log_q.exp_().sub_(p)  # q - p
-                if temperature != 1.0:
-                    g.mul_(temperature)
-                g.masked_fill_(~keep.unsqueeze(-1), 0.0)
-                grad[start:stop].copy_(g)
+            kl_total += torch.where(keep, kl, 0.0).sum()
+            if targets is not None:
+                log_q1 = log_q if temperature == 1.0 else torch.log_softmax(s, dim=-1)
+                index = targets[start:stop].clamp_min(0).unsqueeze(-1)
+                ce_total -= torch.where(keep, log_q1.gather(-1, index).squeeze(-1), 0.0).sum()
+            if grad is None:
+                continue
+            # kl_weight * T * (q_T - p_T) + lm_weight * (q - onehot)
+            g = log_q.exp_()
+            if targets is not None and temperature == 1.0:
+                g.mul_(kl_weight + lm_weight).sub_(p, alpha=kl_weight)
+            else:
+                g.sub_(p).mul_(kl_weight * temperature)
+                if targets is not None:
+                    g.add_(log_q1.exp_(), alpha=lm_weight)
+            if targets is not None:
+                g.scatter_add_(-1, index, torch.full(index.shape, -lm_weight, dtype=g.dtype, device=g.device))
+            g.masked_fill_(~keep.unsqueeze(-1), 0.0)
+            grad[start:stop].copy_(g)
         ctx.grad = grad
-        return total * temperature**2
+        kl_total = kl_total * temperature**2
+        ctx.mark_non_differentiable(kl_total, ce_total)
+        return kl_weight * kl_total + lm_weight * ce_total, kl_total, ce_total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any, grad_output: torch.Tensor, *unused: Any
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         # the gradient lives on ctx, not in save_for_backward (saved-tensor hooks such as CPU offloading do
         # not see it); taking it off ctx makes a second backward through the same graph fail, not reuse it
         grad, ctx.grad = ctx.grad, None
@@ -117,7 +145,7 @@ class _FusedKL(torch.autograd.Function):
                 "The logit distillation's gradient was already used: backward ran twice through the same "
                 "forward (retain_graph=True is not supported for this term)."
             )
-        return grad.mul_(grad_output.to(grad.dtype)).to(ctx.dtype), None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)).to(ctx.dtype), None, None, None, None, None, None
 
 
 def logit_distillation(
@@ -136,7 +164,85 @@ def logit_distillation(
     s = (student if torch.is_grad_enabled() else student.detach()).flatten(0, -2)  # no gradient buffer then
     t = teacher.detach().flatten(0, -2)  # a target: no gradient flows to the teacher
     v = valid.flatten().to(s.device)
-    return _FusedKL.apply(s, t, v, float(temperature)) / _divisor(valid, num_items_in_batch)
+    total, _, _ = _FusedLogitObjective.apply(s, t, v, None, float(temperature), 1.0, 0.0)
+    return total / _divisor(valid, num_items_in_batch)
+
+
+class FusedCausalLMLoss:
+    """A stand-in for a causal LM's ``loss_function`` (transformers' ``ForCausalLMLoss``, same arguments and
+    value) whose gradient also carries ``distill_logits / lm_weight`` times the logit KL to ``teacher``,
+    computed in the same pass over the logits: the language-model loss then costs no separate pass.
+
+    The model's forward scales what it returns by ``lm_weight`` with the rest of the objective. After the
+    forward, ``kl`` holds the KL (the temperature's ``T^2`` included, divided like the loss; no gradient),
+    or None when the model computed its loss another way or from other logits than the teacher's (the KL
+    is then computed separately)."""
+
+    def __init__(self, teacher_logits: torch.Tensor, config: MaskConfig) -> None:
+        self.teacher = teacher_logits
+        self.temperature = float(config.distill_temperature)
+        self.ratio = config.distill_logits / config.lm_weight
+        self.kl: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: Any = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if logits.shape != self.teacher.shape:  # not the logits the teacher's pass returned: the model's loss
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(
+                logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+            )
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.reshape(-1).to(logits.device)
+        valid = targets != ignore_index
+        student = logits.reshape(-1, vocab_size)
+        if not torch.is_grad_enabled():
+            student = student.detach()
+        teacher = self.teacher.detach().reshape(-1, vocab_size)
+        total, kl, ce = _FusedLogitObjective.apply(
+            student, teacher, valid, targets, self.temperature, self.ratio, 1.0
+        )
+        divisor = _divisor(valid, num_items_in_batch)
+        self.kl = kl / divisor
+        total = total / divisor
+        return ce / divisor + (total - total.detach())  # the value: the cross-entropy alone
+
+
+@contextlib.contextmanager
+def fused_lm_loss(model: nn.Module, teacher: Any, config: MaskConfig) -> Iterator[FusedCausalLMLoss | None]:
+    """While the block runs, ``model`` computes its language-model loss through :class:`FusedCausalLMLoss`
+    (the logit KL in the same pass), when its loss is transformers' standard causal-LM loss and the objective
+    weighs both terms; yields it, or None (the model's own loss then, the KL computed separately)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if not (
+        config.distill_logits > 0
+        and config.lm_weight > 0
+        and getattr(teacher, "logits", None) is not None
+        and getattr(model, "loss_function", None) is ForCausalLMLoss
+    ):
+        yield None
+        return
+    fused = FusedCausalLMLoss(teacher.logits, config)
+    override = model.__dict__.get("_loss_function")  # a loss function the user set on the model, if any
+    model.loss_function = fused
+    try:
+        yield fused
+    finally:
+        fused.teacher = None  # the teacher's logits are not kept past the forward
+        if override is None:
+            del model._loss_function
+        else:
+            model._loss_function = override
 
 
 def hidden_distillation(
@@ -229,13 +335,19 @@ def check_causal_lm(model: nn.Module) -> None:
 
 
 def objective_terms(
-    config: MaskConfig, outputs: Any, teacher: Any, labels: torch.Tensor, num_items_in_batch: Any
+    config: MaskConfig,
+    outputs: Any,
+    teacher: Any,
+    labels: torch.Tensor,
+    num_items_in_batch: Any,
+    logits: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The weighted distillation terms of ``config`` (``{"distill_logits": ..., "distill_hidden": ...}``, the
-    weights included), from the masked model's ``outputs`` and the unmasked ``teacher``'s."""
+    weights included), from the masked model's ``outputs`` and the unmasked ``teacher``'s; ``logits=False``
+    leaves the logit KL out."""
     valid = predicted_positions(labels)
     terms: dict[str, torch.Tensor] = {}
-    if config.distill_logits > 0:
+    if config.distill_logits > 0 and logits:
         kl = logit_distillation(
             outputs.logits, teacher.logits, valid, config.distill_temperature, num_items_in_batch
         )
@@ -249,17 +361,26 @@ def objective_terms(
 
 
 def apply_objective(
-    config: MaskConfig, outputs: Any, teacher: Any, labels: torch.Tensor, num_items_in_batch: Any
+    config: MaskConfig,
+    outputs: Any,
+    teacher: Any,
+    labels: torch.Tensor,
+    num_items_in_batch: Any,
+    fused: FusedCausalLMLoss | None = None,
 ) -> dict[str, torch.Tensor]:
     """Give ``outputs.loss`` the gradient of the whole objective (``lm_weight`` times the language-model
     loss plus the distillation terms) while its value stays the language-model loss, which runs compare
-    by. Returns each term per predicted token of this batch (weight included, detached), also added to
-    ``outputs`` as ``<name>_loss``: a value that does not depend on gradient accumulation or the number
-    of processes, as the logged ``loss`` does not."""
-    terms = objective_terms(config, outputs, teacher, labels, num_items_in_batch)
+    by. ``fused``: the loss function that computed ``outputs.loss`` with the logit KL's gradient in it
+    (:func:`fused_lm_loss`). Returns each term per predicted token of this batch (weight included,
+    detached), also added to ``outputs`` as ``<name>_loss``: a value that does not depend on gradient
+    accumulation or the number of processes, as the logged ``loss`` does not."""
+    in_loss = fused is not None and fused.kl is not None
+    terms = objective_terms(config, outputs, teacher, labels, num_items_in_batch, logits=not in_loss)
     lm = outputs.loss
     total = config.lm_weight * lm + sum(term.to(lm.device) for term in terms.values())
     outputs.loss = lm.detach() + (total - total.detach())
+    if in_loss:
+        terms = {"distill_logits": config.distill_logits * fused.kl, **terms}
     per_token = 1.0
     if num_items_in_batch is not None:  # the terms were divided by the whole accumulated batch's count
         count = predicted_positions(labels).sum().clamp_min(1)

@@ -102,17 +102,24 @@ def _models(build=tiny_llama, **fields):
     return distilling, plain
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0], ids=["T1", "T2"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["teacher-fp32", "teacher-bf16"])
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build, bf16):
-    distilling, plain = _models(build, **DISTILL)
+def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build, bf16, temperature, monkeypatch):
+    distilling, plain = _models(build, **{**DISTILL, "distill_temperature": temperature})
     assert distilling.set_teacher_bf16(bf16) is None  # the default: chosen for the device
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
     labels[0, :4] = -100
+    fused = []  # the model's loss function computed the KL in the same pass
+    call = objective.FusedCausalLMLoss.__call__
+    monkeypatch.setattr(
+        objective.FusedCausalLMLoss, "__call__", lambda self, *a, **k: fused.append(1) or call(self, *a, **k)
+    )
     torch.manual_seed(7)  # the same Gumbel sample in both models
     out = distilling(input_ids=ids, labels=labels)
     out.loss.backward()
+    assert fused == [1] and "_loss_function" not in vars(distilling.base_model)  # and its own is back
 
     # by hand: the dense model without masks (eval mode), the masked model's own outputs
     with torch.no_grad(), plain.disable_masks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -123,7 +130,7 @@ def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build, bf16):
     torch.manual_seed(7)
     student = plain(input_ids=ids, labels=labels, output_hidden_states=True)
     valid = predicted_positions(labels)
-    kl = logit_distillation(student.logits, teacher.logits, valid, 2.0)
+    kl = logit_distillation(student.logits, teacher.logits, valid, temperature)
     mse = hidden_distillation(student.hidden_states[1:], teacher.hidden_states[1:], valid)
     (0.5 * student.loss + 0.7 * kl + 0.3 * mse).backward()
 
@@ -426,3 +433,92 @@ def test_the_logit_distillation_keeps_no_teacher_logits_and_refuses_a_second_bac
     assert student.grad is not None and student.grad.abs().sum() > 0
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_fused_language_model_loss_and_kl_match_float64_in_value_and_gradient(monkeypatch, temperature):
+    """The language-model loss computed in the KL's pass: the cross-entropy's value (what transformers'
+    causal-LM loss returns, the same divisor) and the gradient of ``CE + ratio * KL``, against float64, for
+    every chunk size; rows whose next label is -100 get no gradient."""
+    gen = torch.Generator().manual_seed(31)
+    student = (torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    teacher = torch.randn(3, 7, 11, generator=gen, dtype=torch.float64) * 3
+    labels = _labels(3, 7, 32).remainder(11).masked_fill(_labels(3, 7, 32) == -100, -100)
+    config = MaskConfig(distill_logits=0.6, lm_weight=0.8, distill_temperature=temperature)
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    valid = targets != -100
+    ce = torch.nn.functional.cross_entropy(student.flatten(0, 1), targets.flatten(), reduction="sum")
+    s = torch.log_softmax(student / temperature, -1)
+    t = torch.log_softmax(teacher / temperature, -1)
+    kl = temperature**2 * (t.exp() * (t - s)).sum(-1)[valid].sum()
+    for items in (None, torch.tensor(40)):
+        divisor = valid.sum() if items is None else 40
+        (expected,) = torch.autograd.grad((ce + 0.6 / 0.8 * kl) / divisor * 3.0, student, retain_graph=True)
+        for chunk_elements in (11, 33, 1 << 24):  # 1 and 3 rows per chunk, and all at once
+            monkeypatch.setattr(objective, "KL_CHUNK_ELEMENTS", chunk_elements)
+            fused = objective.FusedCausalLMLoss(teacher.float(), config)
+            loss = fused(student.float(), labels, 11, num_items_in_batch=items)
+            (grad,) = torch.autograd.grad(loss * 3.0, student)
+            assert loss.item() == pytest.approx((ce / divisor).item(), rel=1e-6)
+            assert fused.kl.item() == pytest.approx((kl / divisor).item(), rel=1e-5)
+            torch.testing.assert_close(grad, expected.float().double(), rtol=1e-5, atol=1e-7)
+            assert torch.all(grad[~valid] == 0)
+
+
+def _own_loss(logits, labels, vocab_size, **kwargs):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) * 2
+
+
+@pytest.mark.parametrize("case", ["lm-weight-0", "own-loss", "no-loss-function-call", "loss-on-other-logits"])
+def test_the_kl_is_computed_apart_where_the_loss_cannot_carry_it(case, monkeypatch):
+    """With ``lm_weight=0``, a loss function the user set on the model, a model that computes its loss
+    without ``loss_function`` or on other logits than it returns, the model's own loss stays as it is and
+    the KL is computed by itself: the same gradient as the hand-computed objective, and the user's loss
+    function is left in place."""
+    fields = {"distill_logits": 0.7, "lm_weight": 0.0 if case == "lm-weight-0" else 0.5}
+    distilling, plain = _models(**fields)
+    distilling.set_teacher_bf16(False)  # as the hand computation's teacher
+    for model in (distilling, plain):
+        if case == "own-loss":
+            model.base_model.loss_function = _own_loss
+    if case in ("no-loss-function-call", "loss-on-other-logits"):  # a forward that computes its own loss
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        forward = type(distilling.base_model).forward
+
+        def own_forward(self, *args, labels=None, **kwargs):
+            out = forward(self, *args, **kwargs)
+            if labels is not None and case == "no-loss-function-call":
+                out["loss"] = ForCausalLMLoss(out.logits, labels, self.config.vocab_size)
+            elif labels is not None:  # the loss on all but the first position
+                out["loss"] = self.loss_function(
+                    out.logits[:, 1:].contiguous(), labels[:, 1:], self.config.vocab_size
+                )
+            return out
+
+        monkeypatch.setattr(type(distilling.base_model), "forward", own_forward)
+    calls = []
+    call = objective.FusedCausalLMLoss.__call__
+    monkeypatch.setattr(
+        objective.FusedCausalLMLoss, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k)
+    )
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(33))
+    torch.manual_seed(9)
+    out = distilling(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert calls == ([1] if case == "loss-on-other-logits" else [])  # called, it handed over to the model's
+    if case == "own-loss":
+        assert distilling.base_model.loss_function is _own_loss
+    with torch.no_grad(), plain.disable_masks():
+        plain.eval()
+        teacher = plain(input_ids=ids)
+        plain.train()
+    torch.manual_seed(9)
+    student = plain(input_ids=ids, labels=ids)
+    kl = logit_distillation(student.logits, teacher.logits, predicted_positions(ids))
+    (fields["lm_weight"] * student.loss + 0.7 * kl).backward()
+    assert out.loss.item() == pytest.approx(student.loss.item(), rel=1e-6)
+    assert out.distill_logits_loss.item() == pytest.approx(0.7 * kl.item(), rel=1e-5)
+    for name, layer in distilling.masked_layers().items():
+        expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
+        torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
