@@ -111,7 +111,7 @@ class _FusedLogitObjective(torch.autograd.Function):
             kl_total += torch.where(keep, kl, 0.0).sum()
             if targets is not None:
                 log_q1 = log_q if temperature == 1.0 else torch.log_softmax(s, dim=-1)
-                index = targets[start:stop].clamp_min(0).unsqueeze(-1)
+                index = torch.where(keep, targets[start:stop], 0).unsqueeze(-1)  # a bad label fails here
                 ce_total -= torch.where(keep, log_q1.gather(-1, index).squeeze(-1), 0.0).sum()
             if grad is None:
                 continue
@@ -145,7 +145,8 @@ class _FusedLogitObjective(torch.autograd.Function):
                 "The logit distillation's gradient was already used: backward ran twice through the same "
                 "forward (retain_graph=True is not supported for this term)."
             )
-        return grad.mul_(grad_output.to(grad.dtype)).to(ctx.dtype), None, None, None, None, None, None
+        # a float32 scale is applied as it is (one rounding of the product), not rounded to the buffer's dtype
+        return grad.mul_(grad_output).to(ctx.dtype), None, None, None, None, None, None
 
 
 def logit_distillation(
@@ -176,7 +177,8 @@ class FusedCausalLMLoss:
     The model's forward scales what it returns by ``lm_weight`` with the rest of the objective. After the
     forward, ``kl`` holds the KL (the temperature's ``T^2`` included, divided like the loss; no gradient),
     or None when the model computed its loss another way or from other logits than the teacher's (the KL
-    is then computed separately)."""
+    is then computed separately). A batch without a single label gives 0, where transformers' mean gives
+    NaN."""
 
     def __init__(self, teacher_logits: torch.Tensor, config: MaskConfig) -> None:
         self.teacher = teacher_logits
@@ -194,7 +196,8 @@ class FusedCausalLMLoss:
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if logits.shape != self.teacher.shape:  # not the logits the teacher's pass returned: the model's loss
+        if self.kl is not None or logits.shape != self.teacher.shape:
+            # a second call, or not the logits the teacher's pass returned: the model's own loss
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             return ForCausalLMLoss(
@@ -240,7 +243,7 @@ def fused_lm_loss(model: nn.Module, teacher: Any, config: MaskConfig) -> Iterato
     finally:
         fused.teacher = None  # the teacher's logits are not kept past the forward
         if override is None:
-            del model._loss_function
+            model.__dict__.pop("_loss_function", None)
         else:
             model._loss_function = override
 

@@ -522,3 +522,57 @@ def test_the_kl_is_computed_apart_where_the_loss_cannot_carry_it(case, monkeypat
     for name, layer in distilling.masked_layers().items():
         expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
         torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.bfloat16, 1 / 128), (torch.float16, 1 / 1024)])
+def test_the_fused_loss_of_16_bit_logits_has_a_gradient_of_their_dtype_within_its_rounding(dtype, rtol):
+    """As mixed precision runs: the gradient in the logits' dtype, within its rounding of float64 (float16
+    keeps it in float32 until the loss scale arrives); an upstream scale such as 1/3 (gradient accumulation)
+    is applied unrounded, so the bfloat16 gradient carries no bias."""
+    gen = torch.Generator().manual_seed(41)
+    student = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).to(dtype).requires_grad_()
+    teacher = (torch.randn(2, 9, 300, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    labels = _labels(2, 9, 42)
+    config = MaskConfig(distill_logits=1.0)
+    s64 = student.detach().double().requires_grad_()
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    valid = targets != -100
+    s, t = torch.log_softmax(s64, -1), torch.log_softmax(teacher.double(), -1)
+    ce = torch.nn.functional.cross_entropy(s64.flatten(0, 1), targets.flatten(), reduction="sum")
+    reference = (ce + (t.exp() * (t - s)).sum(-1)[valid].sum()) / valid.sum()
+    (expected,) = torch.autograd.grad(reference, s64)
+    for scale in (1.0 / 3.0, 1024.0) if dtype == torch.bfloat16 else (1024.0,):
+        loss = objective.FusedCausalLMLoss(teacher, config)(student, labels, 300)
+        (grad,) = torch.autograd.grad(loss * scale, student)
+        assert loss.dtype == torch.float32 and grad.dtype == dtype
+        torch.testing.assert_close(grad.double() / scale, expected, rtol=rtol, atol=1e-9)
+        large = expected.abs() > 1e-3 * expected.abs().max()
+        bias = (grad.double() / scale)[large].div(expected[large]).mean() - 1
+        assert abs(bias.item()) < 2e-4, bias  # rounding the scale to bfloat16 would shift every entry 2e-3
+
+
+def test_the_models_loss_function_is_put_back_after_an_error_and_a_second_call_is_its_own():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(43)
+    logits = torch.randn(2, 6, model.config.vocab_size, generator=gen)
+    teacher = type("Teacher", (), {"logits": torch.randn(2, 6, model.config.vocab_size, generator=gen)})()
+    labels = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen)
+    config = MaskConfig(distill_logits=1.0)
+    with (
+        pytest.raises(ValueError, match="in the forward"),
+        objective.fused_lm_loss(model, teacher, config) as fused,
+    ):
+        assert model.loss_function is fused
+        raise ValueError("in the forward")
+    assert "_loss_function" not in vars(model) and model.loss_function is ForCausalLMLoss
+    with objective.fused_lm_loss(model, teacher, config) as fused:
+        first = model.loss_function(logits, labels, model.config.vocab_size)
+        kl = fused.kl
+        second = model.loss_function(logits, labels, model.config.vocab_size)
+    expected = ForCausalLMLoss(logits, labels, model.config.vocab_size)
+    assert first.item() == pytest.approx(expected.item(), rel=1e-6) and fused.kl is kl and kl > 0
+    assert torch.equal(second, expected)  # the model's own, with no second KL in its gradient
+    with objective.fused_lm_loss(model, teacher, MaskConfig(distill_logits=1.0, lm_weight=0.0)) as fused:
+        assert fused is None and model.loss_function is ForCausalLMLoss
