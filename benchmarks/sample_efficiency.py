@@ -39,7 +39,8 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 ``sample_efficiency_150steps_rate`` and ``sample_efficiency_150steps_rate_high``; its temperature's start at 150 steps
 ``sample_efficiency_150steps_tau``; its prior strength at 150 steps ``sample_efficiency_150steps_strength`` and,
 with the unmasked model in bfloat16, ``sample_efficiency_150steps_teacher``; the hidden-state term beside the KL
-and no sparse weight regulariser at 150 steps ``sample_efficiency_150steps_terms``;
+and no sparse weight regulariser at 150 steps ``sample_efficiency_150steps_terms``; kappa rising to 1000 and
+2000 at 150 steps, the language-model loss computed in the KL's pass ``sample_efficiency_150steps_kappa2``;
 the unmasked model's pass in bfloat16 against float32 ``sample_efficiency_teacher`` (SmolLM2) and
 ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with the KL's gradient computed in its
@@ -247,6 +248,12 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
         "kappa 100 -> 1000",
         {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
+        CONSTANT_LR,
+    ),
+    "lm-tau2-alpha4-constlr+kl1-kappa2000": (
+        "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+        "kappa 100 -> 2000",
+        {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 2000.0)},
         CONSTANT_LR,
     ),
     "lm-tau2-alpha4-constlr+kl3": (
