@@ -70,9 +70,9 @@ KL_CHUNK_ELEMENTS_ACCELERATOR = 1 << 24
 
 
 class _FusedLogitObjective(torch.autograd.Function):
-    """``kl_weight * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + lm_weight * CE(student, targets)``
+    """``kl_weight * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + CE(student, targets)``
     summed over the valid rows of ``[rows, vocab]``, in float32; the gradient with respect to ``student``
-    (``kl_weight * T * (q_T - p_T) + lm_weight * (q - onehot)`` per valid row) is written in the same pass,
+    (``kl_weight * T * (q_T - p_T) + q - onehot`` per valid row) is written in the same pass,
     chunk by chunk, so the backward pass only scales it: no recomputation and no per-chunk autograd graph.
     ``targets`` (``[rows]``, -100 where not counted; None: the KL alone) also marks the valid rows then.
     Returns the weighted sum and, without gradient, the KL's and the cross-entropy's unweighted sums. The
@@ -87,7 +87,6 @@ class _FusedLogitObjective(torch.autograd.Function):
         targets: torch.Tensor | None,
         temperature: float,
         kl_weight: float,
-        lm_weight: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # float16 logits keep their gradient in float32 until the loss scale arrives in backward (small q - p
         # would underflow, a large scale overflow); bfloat16 has float32's range
@@ -115,28 +114,29 @@ class _FusedLogitObjective(torch.autograd.Function):
                 ce_total -= torch.where(keep, log_q1.gather(-1, index).squeeze(-1), 0.0).sum()
             if grad is None:
                 continue
-            # kl_weight * T * (q_T - p_T) + lm_weight * (q - onehot)
+            # kl_weight * T * (q_T - p_T) + (q - onehot)
             g = log_q.exp_()
             if targets is not None and temperature == 1.0:
-                g.mul_(kl_weight + lm_weight).sub_(p, alpha=kl_weight)
+                g.mul_(kl_weight + 1.0).sub_(p, alpha=kl_weight)
             else:
                 g.sub_(p).mul_(kl_weight * temperature)
                 if targets is not None:
-                    g.add_(log_q1.exp_(), alpha=lm_weight)
+                    g.add_(log_q1.exp_())
             if targets is not None:
-                g.scatter_add_(-1, index, torch.full(index.shape, -lm_weight, dtype=g.dtype, device=g.device))
+                g.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=g.dtype, device=g.device))
             g.masked_fill_(~keep.unsqueeze(-1), 0.0)
             grad[start:stop].copy_(g)
         ctx.grad = grad
         kl_total = kl_total * temperature**2
         ctx.mark_non_differentiable(kl_total, ce_total)
-        return kl_weight * kl_total + lm_weight * ce_total, kl_total, ce_total
+        total = kl_weight * kl_total if targets is None else kl_weight * kl_total + ce_total
+        return total, kl_total, ce_total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: Any, grad_output: torch.Tensor, *unused: Any
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         # the gradient lives on ctx, not in save_for_backward (saved-tensor hooks such as CPU offloading do
         # not see it); taking it off ctx makes a second backward through the same graph fail, not reuse it
         grad, ctx.grad = ctx.grad, None
@@ -146,7 +146,7 @@ class _FusedLogitObjective(torch.autograd.Function):
                 "forward (retain_graph=True is not supported for this term)."
             )
         # a float32 scale is applied as it is (one rounding of the product), not rounded to the buffer's dtype
-        return grad.mul_(grad_output).to(ctx.dtype), None, None, None, None, None, None
+        return grad.mul_(grad_output).to(ctx.dtype), None, None, None, None, None
 
 
 def logit_distillation(
@@ -165,7 +165,7 @@ def logit_distillation(
     s = (student if torch.is_grad_enabled() else student.detach()).flatten(0, -2)  # no gradient buffer then
     t = teacher.detach().flatten(0, -2)  # a target: no gradient flows to the teacher
     v = valid.flatten().to(s.device)
-    total, _, _ = _FusedLogitObjective.apply(s, t, v, None, float(temperature), 1.0, 0.0)
+    total, _, _ = _FusedLogitObjective.apply(s, t, v, None, float(temperature), 1.0)
     return total / _divisor(valid, num_items_in_batch)
 
 
@@ -212,7 +212,7 @@ class FusedCausalLMLoss:
             student = student.detach()
         teacher = self.teacher.detach().reshape(-1, vocab_size)
         total, kl, ce = _FusedLogitObjective.apply(
-            student, teacher, valid, targets, self.temperature, self.ratio, 1.0
+            student, teacher, valid, targets, self.temperature, self.ratio
         )
         divisor = _divisor(valid, num_items_in_batch)
         self.kl = kl / divisor
