@@ -326,6 +326,15 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         for seed in (1, 2)
     },
     **{
+        f"lm-tau2-alpha4-constlr+kl1-kappa1000-seed{seed}": (
+            "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+            f"kappa 100 -> 1000, seed {seed} (other training sequences and mask noise)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
+            {**CONSTANT_LR, "seed": seed},
+        )
+        for seed in (1, 2)
+    },
+    **{
         f"lm-tau2-alpha4-constlr-kl-seed{seed}": (
             "tau 2 -> 0.05, strength 4, constant rate, logit KL to the unmasked model alone (T=1), no LM loss, "
             f"seed {seed} (other training sequences and mask noise)",
