@@ -27,7 +27,14 @@ from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
-from .objective import apply_objective, check_causal_lm, fused_lm_loss, teacher_pass
+from .objective import (
+    IGNORE_INDEX,
+    apply_objective,
+    check_causal_lm,
+    fused_lm_loss,
+    predicted_positions,
+    teacher_pass,
+)
 from .prior_init import apply_prior_rule
 from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks, source_targets
 from .schedule import MaskSchedule
@@ -176,9 +183,10 @@ class MaskModel(NamedMasksMixin, nn.Module):
         with collect_regulariser() as regs, lm_loss as fused:
             outputs = self.base_model(*args, **kwargs)
         if objective and getattr(outputs, "loss", None) is not None:
-            terms = apply_objective(
-                config, outputs, teacher, kwargs["labels"], kwargs.get("num_items_in_batch"), fused
-            )
+            valid = predicted_positions(
+                kwargs["labels"], kwargs.get("shift_labels"), kwargs.get("ignore_index", IGNORE_INDEX)
+            )  # the positions the language-model loss counts
+            terms = apply_objective(config, outputs, teacher, valid, kwargs.get("num_items_in_batch"), fused)
             schedule.last_objective_terms = terms  # logged by MaskAnnealCallback
         if not track:
             return outputs

@@ -10,7 +10,8 @@ loss's own pass over the logits where the model's loss allows: :func:`fused_lm_l
 - ``distill_hidden``: ``||h_student - h_teacher||^2 / ||h_teacher||^2`` per token, after every decoder
   block, averaged over blocks.
 
-Both are summed over the tokens the language-model loss counts (those whose next label is not -100)
+Both are summed over the tokens the language-model loss counts (those whose next label is not
+``ignore_index``, -100 unless the batch says otherwise; ``shift_labels`` where the batch passes them)
 and divided as that loss is: by ``num_items_in_batch`` when the Trainer passes it (gradient
 accumulation and DDP then sum exactly as for the language-model loss), else by their count.
 """
@@ -47,10 +48,16 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
-def predicted_positions(labels: torch.Tensor) -> torch.Tensor:
-    """``bool [batch, seq]``: the positions whose next token is a label (what the shifted causal LM loss counts)."""
+def predicted_positions(
+    labels: torch.Tensor, shift_labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """``bool [batch, seq]``: the positions whose next token is a label, as transformers' causal LM loss
+    counts them: ``shift_labels != ignore_index`` when the batch passes ``shift_labels`` (already shifted),
+    else ``labels`` shifted by one."""
+    if shift_labels is not None:
+        return shift_labels != ignore_index
     valid = torch.zeros_like(labels, dtype=torch.bool)
-    valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    valid[:, :-1] = labels[:, 1:] != ignore_index
     return valid
 
 
@@ -341,14 +348,13 @@ def objective_terms(
     config: MaskConfig,
     outputs: Any,
     teacher: Any,
-    labels: torch.Tensor,
+    valid: torch.Tensor,
     num_items_in_batch: Any,
     logits: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The weighted distillation terms of ``config`` (``{"distill_logits": ..., "distill_hidden": ...}``, the
-    weights included), from the masked model's ``outputs`` and the unmasked ``teacher``'s; ``logits=False``
-    leaves the logit KL out."""
-    valid = predicted_positions(labels)
+    weights included), from the masked model's ``outputs`` and the unmasked ``teacher``'s over the
+    :func:`predicted_positions` ``valid``; ``logits=False`` leaves the logit KL out."""
     terms: dict[str, torch.Tensor] = {}
     if config.distill_logits > 0 and logits:
         kl = logit_distillation(
@@ -367,7 +373,7 @@ def apply_objective(
     config: MaskConfig,
     outputs: Any,
     teacher: Any,
-    labels: torch.Tensor,
+    valid: torch.Tensor,
     num_items_in_batch: Any,
     fused: FusedCausalLMLoss | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -378,7 +384,7 @@ def apply_objective(
     detached), also added to ``outputs`` as ``<name>_loss``: a value that does not depend on gradient
     accumulation or the number of processes, as the logged ``loss`` does not."""
     in_loss = fused is not None and fused.kl is not None
-    terms = objective_terms(config, outputs, teacher, labels, num_items_in_batch, logits=not in_loss)
+    terms = objective_terms(config, outputs, teacher, valid, num_items_in_batch, logits=not in_loss)
     lm = outputs.loss
     total = config.lm_weight * lm + sum(term.to(lm.device) for term in terms.values())
     outputs.loss = lm.detach() + (total - total.detach())
@@ -386,7 +392,7 @@ def apply_objective(
         terms = {"distill_logits": config.distill_logits * fused.kl, **terms}
     per_token = 1.0
     if num_items_in_batch is not None:  # the terms were divided by the whole accumulated batch's count
-        count = predicted_positions(labels).sum().clamp_min(1)
+        count = valid.sum().clamp_min(1)
         per_token = (
             num_items_in_batch.to(count.device) / count
             if torch.is_tensor(num_items_in_batch)

@@ -465,6 +465,45 @@ def test_the_fused_language_model_loss_and_kl_match_float64_in_value_and_gradien
             assert torch.all(grad[~valid] == 0)
 
 
+@pytest.mark.parametrize("case", ["shift-labels", "ignore-index"])
+def test_every_term_counts_the_positions_the_language_model_loss_counts(case):
+    """A batch that passes ``shift_labels`` (already shifted, as context parallelism does) or its own
+    ``ignore_index``: the KL and the hidden-state term count the positions transformers' loss counts, and
+    the logged terms are per such position."""
+    distilling, plain = _models(**DISTILL)
+    distilling.set_teacher_bf16(False)  # as the hand computation's teacher
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(21))
+    labels, extra = ids.clone(), {}
+    if case == "shift-labels":  # positions that the shifted labels of ``labels`` would count are left out
+        shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+        shift[0, :5], shift[1, 7:] = -100, -100
+        extra["shift_labels"] = shift
+        valid = shift != -100
+    else:
+        labels[0, :4], labels[1, 9:] = -1, -1
+        extra["ignore_index"] = -1
+        valid = predicted_positions(labels, ignore_index=-1)
+    assert not torch.equal(valid, predicted_positions(ids))  # a different set of positions than the default
+    torch.manual_seed(5)
+    out = distilling(input_ids=ids, labels=labels, **extra)
+    out.loss.backward()
+    with torch.no_grad(), plain.disable_masks():
+        plain.eval()
+        teacher = plain(input_ids=ids, output_hidden_states=True)
+        plain.train()
+    torch.manual_seed(5)
+    student = plain(input_ids=ids, labels=labels, output_hidden_states=True, **extra)
+    kl = logit_distillation(student.logits, teacher.logits, valid, 2.0)
+    mse = hidden_distillation(student.hidden_states[1:], teacher.hidden_states[1:], valid)
+    (0.5 * student.loss + 0.7 * kl + 0.3 * mse).backward()
+    assert out.loss.item() == pytest.approx(student.loss.item(), rel=1e-6)
+    assert out.distill_logits_loss.item() == pytest.approx(0.7 * kl.item(), rel=1e-5)
+    assert out.distill_hidden_loss.item() == pytest.approx(0.3 * mse.item(), rel=1e-5)
+    for name, layer in distilling.masked_layers().items():
+        expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
+        torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
+
+
 def _own_loss(logits, labels, vocab_size, **kwargs):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) * 2
 
