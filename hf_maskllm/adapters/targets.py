@@ -36,6 +36,25 @@ def adapter_layer_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
+def _check_full_precision(model: nn.Module) -> None:
+    """Refuse a model that transformers loaded quantized (bitsandbytes, GPTQ, AWQ, torchao, ...): a mask
+    selects among the full-precision weights, which such a model does not hold. A compressed N:M
+    checkpoint of this library is not refused: its dense layers can take masks."""
+    from ..sparse.format import QUANT_METHOD
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum, or a string
+    if method != QUANT_METHOD:
+        raise TargetError(
+            f"{type(model).__name__} was loaded quantized ({method}); masks are learned over the full-precision "
+            "weights. Load the model without quantization_config (or call model.dequantize() first), learn "
+            "and merge the mask, then quantize the sparse model."
+        )
+
+
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -59,6 +78,7 @@ def find_targets(
     supported layer type, or (``strict``) if a target's input size is not divisible by ``m``;
     without ``strict`` such a layer is skipped with a warning naming it.
     """
+    _check_full_precision(model)
     all_linear = target_modules == "all-linear"
     skip = output_embedding_names(model) if all_linear else set()
     adapters = adapter_layer_prefixes(model)
@@ -83,6 +103,11 @@ def find_targets(
             hint = " (a PEFT adapter wrapper: target its base_layer)" if hasattr(module, "base_layer") else ""
             unsupported.append(f"{name} ({type(module).__name__}{hint})")
             continue
+        if not dense_weight_view(module).dtype.is_floating_point:  # quantized storage (int8, packed 4-bit)
+            unsupported.append(
+                f"{name} ({type(module).__name__} holding {dense_weight_view(module).dtype} weights)"
+            )
+            continue
         if dense_weight_view(module).shape[1] % m:
             indivisible.append(f"{name} (in_features={dense_weight_view(module).shape[1]})")
             continue
@@ -103,7 +128,8 @@ def find_targets(
     if unsupported:
         raise TargetError(
             f"target_modules matched modules that cannot be masked: {unsupported[:5]}"
-            f"{' ...' if len(unsupported) > 5 else ''}. Supported layer types: nn.Linear, transformers Conv1D. "
+            f"{' ...' if len(unsupported) > 5 else ''}. Supported layer types: nn.Linear, transformers Conv1D, "
+            "with floating-point weights. "
             "Narrow target_modules (e.g. ['q_proj', 'v_proj']) or add them to exclude_modules."
         )
     if indivisible:

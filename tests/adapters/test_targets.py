@@ -95,6 +95,40 @@ def test_unsupported_module_named_explicitly_raises(targets, type_name):
         get_mask_model(tiny_llama(), MaskConfig(target_modules=targets))
 
 
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "torchao"])
+def test_a_model_loaded_quantized_is_refused_with_the_fix(method):
+    from types import SimpleNamespace
+
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    model = tiny_llama()
+    model.hf_quantizer = SimpleNamespace(
+        quantization_config=SimpleNamespace(quant_method=QuantizationMethod(method))
+    )
+    with pytest.raises(TargetError, match=f"loaded quantized \\({method}\\).*without quantization_config"):
+        get_mask_model(model, MaskConfig())
+    assert not any(type(mod).__name__ == "MaskedLinear" for mod in model.modules())
+
+
+def test_a_compressed_nm_checkpoint_takes_masks_on_its_dense_layers():
+    from types import SimpleNamespace
+
+    from hf_maskllm.sparse.format import QUANT_METHOD
+
+    model = tiny_llama()
+    model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=QUANT_METHOD))
+    assert len(get_mask_model(model, MaskConfig()).masked_names) == 7 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["up_proj"]])
+def test_a_layer_with_integer_weights_is_refused_by_name(targets):
+    model = tiny_llama()
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = nn.Parameter(torch.ones_like(layer.weight, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(TargetError, match=r"layers\.0\.mlp\.up_proj \(Linear holding torch\.int8 weights\)"):
+        get_mask_model(model, MaskConfig(target_modules=targets))
+
+
 def test_targets_matching_nothing_raise():
     with pytest.raises(TargetError, match="nonexistent"):
         get_mask_model(tiny_llama(), MaskConfig(target_modules=["nonexistent"]))
