@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs=2,
         metavar=("START", "END"),
         default=list(MaskConfig.kappa),
-        help="logit scale kappa, annealed linearly from START to END (default: %(default)s, the paper's)",
+        help="logit scale kappa, annealed linearly from START to END (default: %(default)s; the paper's: 100 500)",
     )
     learn.add_argument(
         "--lm-weight",

@@ -51,7 +51,8 @@ class MaskConfig:
         exclude_modules: Layers never masked: list of name suffixes or a regex (full match).
         tau: Gumbel-softmax temperature ``(start, end)``, annealed over training (2.0 -> 0.05; the
             paper starts at 4.0: ``tau=(4.0, 0.05)``, see docs/training.md for why the default differs).
-        kappa: Logit scale ``(start, end)``; the sampled distribution is ``softmax(kappa * logits)``.
+        kappa: Logit scale ``(start, end)``; the sampled distribution is ``softmax(kappa * logits)``
+            (100 -> 1000; the paper ends at 500: ``kappa=(100.0, 500.0)``, see docs/training.md).
         tau_schedule: ``"linear"`` (the paper), ``"cosine"`` or ``"exponential"``.
         kappa_schedule: Same choices, for kappa.
         hard: Straight-through hard samples instead of soft ones (the paper found soft better).
@@ -96,7 +97,9 @@ class MaskConfig:
     tau: tuple[float, float] = field(
         default=(2.0, 0.05), metadata={"help": "Gumbel temperature start, end (the paper: 4.0, 0.05)."}
     )
-    kappa: tuple[float, float] = field(default=(100.0, 500.0), metadata={"help": "Logit scale start, end."})
+    kappa: tuple[float, float] = field(
+        default=(100.0, 1000.0), metadata={"help": "Logit scale start, end (the paper: 100, 500)."}
+    )
     tau_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
     kappa_schedule: str = field(default="linear", metadata={"help": "linear | cosine | exponential"})
     hard: bool = field(default=False, metadata={"help": "Straight-through hard Gumbel samples."})

@@ -19,11 +19,11 @@ from hf_maskllm.patterns import candidate_patterns
 NM_PAIRS = [(n, m) for m in range(2, 9) for n in range(1, m)]
 
 
-def test_defaults_follow_the_paper_but_for_the_starting_temperature_and_the_prior_strength():
+def test_defaults_follow_the_paper_but_for_the_temperature_start_the_logit_scale_end_and_the_prior_strength():
     cfg = MaskConfig()
     assert (cfg.n, cfg.m) == (2, 4)
     assert cfg.target_modules == "all-linear" and cfg.exclude_modules is None
-    assert cfg.tau == (2.0, 0.05) and cfg.kappa == (100.0, 500.0)  # the paper's tau: (4.0, 0.05)
+    assert cfg.tau == (2.0, 0.05) and cfg.kappa == (100.0, 1000.0)  # the paper's: (4.0, 0.05), (100.0, 500.0)
     assert cfg.tau_schedule == "linear" and cfg.kappa_schedule == "linear"
     assert cfg.hard is False and cfg.prior is None
     assert cfg.prior_strength == 4.0  # the paper's: 3.0
