@@ -41,7 +41,8 @@ the unmasked model ``sample_efficiency_distill``, ``_distill2``, ``_distill3`` a
 with the unmasked model in bfloat16, ``sample_efficiency_150steps_teacher``; the hidden-state term beside the KL
 and no sparse weight regulariser at 150 steps ``sample_efficiency_150steps_terms``; kappa rising to 2000 at 150
 steps, with the language-model loss computed in the KL's pass, ``sample_efficiency_150steps_kappa2``, and to 1000
-and 2000 at 40 steps ``sample_efficiency_kappa``;
+and 2000 at 40 steps ``sample_efficiency_kappa``, to 1000 against 500 at seeds 1 and 2 ``sample_efficiency_kappa_seeds``,
+on Gemma-3 ``sample_efficiency_gemma_kappa`` and at 150 steps ``sample_efficiency_150steps_kappa1000``;
 the unmasked model's pass in bfloat16 against float32 ``sample_efficiency_teacher`` (SmolLM2) and
 ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with the KL's gradient computed in its

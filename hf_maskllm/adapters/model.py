@@ -38,7 +38,7 @@ from .objective import (
 from .prior_init import apply_prior_rule
 from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks, source_targets
 from .schedule import MaskSchedule
-from .targets import find_targets
+from .targets import check_full_precision, find_targets
 from .wrapping import unwrapped, wrap_layers
 
 __all__ = ["MaskModel"]
@@ -116,6 +116,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
             if targets is not None
             else find_targets(model, config.target_modules, config.exclude_modules, config.m, config.strict)
         )
+        check_full_precision(model, names)
         for p in model.parameters():
             p.requires_grad_(False)
         wrap_layers(model, names, config.n, config.m, self.schedule)

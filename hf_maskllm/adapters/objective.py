@@ -311,7 +311,8 @@ def teacher_pass(
     """The unmasked model's outputs (no autograd, eval mode) for the forward arguments; ``dense`` is the
     context in which ``model`` runs without masks; ``bf16`` as :func:`teacher_autocast` takes it. No loss is
     computed."""
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "num_items_in_batch")}
+    loss_only = ("labels", "shift_labels", "ignore_index", "num_items_in_batch")  # no loss is computed
+    kwargs = {k: v for k, v in kwargs.items() if k not in loss_only}
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False  # no key-value cache for a single pass
     with dense, _eval_mode(model), teacher_autocast(model, bf16):

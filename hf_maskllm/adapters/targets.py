@@ -13,13 +13,16 @@ import difflib
 import re
 import warnings
 
+import torch
 from torch import nn
 
 from ..errors import TargetError
 from ..modules import dense_weight_view, output_embedding_names
 from ..modules import is_linear as is_maskable
 
-__all__ = ["adapter_layer_prefixes", "find_targets", "is_maskable"]
+__all__ = ["adapter_layer_prefixes", "check_full_precision", "find_targets", "is_maskable"]
+
+FULL_PRECISION = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def adapter_layer_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -36,22 +39,50 @@ def adapter_layer_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
-def _check_full_precision(model: nn.Module) -> None:
-    """Refuse a model that transformers loaded quantized (bitsandbytes, GPTQ, AWQ, torchao, ...): a mask
-    selects among the full-precision weights, which such a model does not hold. A compressed N:M
-    checkpoint of this library is not refused: its dense layers can take masks."""
+def _plain_tensor(weight: torch.Tensor) -> bool:
+    """A weight stored as an ordinary tensor (a DTensor shard included), not a quantizing tensor subclass."""
+    if type(weight.data) is torch.Tensor:
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return isinstance(weight, DTensor)
+
+
+def check_full_precision(model: nn.Module, names: list[str]) -> None:
+    """Refuse to mask a model that transformers loaded quantized (bitsandbytes, GPTQ, AWQ, torchao, ...) or
+    layers ``names`` of it whose weights are not full-precision floats: a mask selects among the
+    full-precision weights. A compressed N:M checkpoint of this library passes (its dense layers can take
+    masks); so does a GGUF checkpoint transformers dequantized, once it is no longer marked quantized."""
     from ..sparse.format import QUANT_METHOD
 
     quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is None:
-        return
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum, or a string
-    if method != QUANT_METHOD:
+    if quantizer is not None and method == "gguf":
         raise TargetError(
-            f"{type(model).__name__} was loaded quantized ({method}); masks are learned over the full-precision "
-            "weights. Load the model without quantization_config (or call model.dequantize() first), learn "
-            "and merge the mask, then quantize the sparse model."
+            f"{type(model).__name__} was loaded from a GGUF file: transformers dequantized its weights but keeps "
+            "the model marked quantized, which the Trainer refuses to train. Unmark it first: "
+            "model.hf_quantizer.remove_quantization_config(model)."
+        )
+    if quantizer is not None and method != QUANT_METHOD:
+        raise TargetError(
+            f"{type(model).__name__} was loaded quantized ({method}); masks are learned over full-precision "
+            "weights. Load the original full-precision checkpoint (a bitsandbytes model can also be "
+            "model.dequantize()-d), learn and merge the mask, then quantize the sparse model."
+        )
+    bad = []
+    for name in names:
+        weight = dense_weight_view(model.get_submodule(name))
+        if weight.dtype not in FULL_PRECISION or not _plain_tensor(weight):
+            bad.append(f"{name} ({type(weight).__name__} of {weight.dtype})")
+    if bad:
+        raise TargetError(
+            f"{len(bad)} target layer(s) hold quantized weights: {bad[:3]}{' ...' if len(bad) > 3 else ''}; masks "
+            "are learned over full-precision (float16 / bfloat16 / float32 / float64) weights. Mask the "
+            "full-precision model, merge the mask, then quantize the sparse model; or leave these layers out "
+            "with exclude_modules."
         )
 
 
@@ -78,7 +109,6 @@ def find_targets(
     supported layer type, or (``strict``) if a target's input size is not divisible by ``m``;
     without ``strict`` such a layer is skipped with a warning naming it.
     """
-    _check_full_precision(model)
     all_linear = target_modules == "all-linear"
     skip = output_embedding_names(model) if all_linear else set()
     adapters = adapter_layer_prefixes(model)
@@ -103,11 +133,6 @@ def find_targets(
             hint = " (a PEFT adapter wrapper: target its base_layer)" if hasattr(module, "base_layer") else ""
             unsupported.append(f"{name} ({type(module).__name__}{hint})")
             continue
-        if not dense_weight_view(module).dtype.is_floating_point:  # quantized storage (int8, packed 4-bit)
-            unsupported.append(
-                f"{name} ({type(module).__name__} holding {dense_weight_view(module).dtype} weights)"
-            )
-            continue
         if dense_weight_view(module).shape[1] % m:
             indivisible.append(f"{name} (in_features={dense_weight_view(module).shape[1]})")
             continue
@@ -128,8 +153,7 @@ def find_targets(
     if unsupported:
         raise TargetError(
             f"target_modules matched modules that cannot be masked: {unsupported[:5]}"
-            f"{' ...' if len(unsupported) > 5 else ''}. Supported layer types: nn.Linear, transformers Conv1D, "
-            "with floating-point weights. "
+            f"{' ...' if len(unsupported) > 5 else ''}. Supported layer types: nn.Linear, transformers Conv1D. "
             "Narrow target_modules (e.g. ['q_proj', 'v_proj']) or add them to exclude_modules."
         )
     if indivisible:

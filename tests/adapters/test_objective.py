@@ -465,12 +465,15 @@ def test_the_fused_language_model_loss_and_kl_match_float64_in_value_and_gradien
             assert torch.all(grad[~valid] == 0)
 
 
+@pytest.mark.parametrize("items", [None, 50], ids=["one-batch", "num-items"])
+@pytest.mark.parametrize("lm_weight", [0.5, 0.0], ids=["kl-in-the-loss", "kl-apart"])
 @pytest.mark.parametrize("case", ["shift-labels", "ignore-index"])
-def test_every_term_counts_the_positions_the_language_model_loss_counts(case):
+def test_every_term_counts_the_positions_the_language_model_loss_counts(case, lm_weight, items):
     """A batch that passes ``shift_labels`` (already shifted, as context parallelism does) or its own
-    ``ignore_index``: the KL and the hidden-state term count the positions transformers' loss counts, and
-    the logged terms are per such position."""
-    distilling, plain = _models(**DISTILL)
+    ``ignore_index``: the KL (in the language-model loss's pass or apart) and the hidden-state term count
+    the positions transformers' loss counts, divided as it is (also by the Trainer's ``num_items_in_batch``),
+    and the logged terms are per such position."""
+    distilling, plain = _models(**{**DISTILL, "lm_weight": lm_weight})
     distilling.set_teacher_bf16(False)  # as the hand computation's teacher
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(21))
     labels, extra = ids.clone(), {}
@@ -484,6 +487,8 @@ def test_every_term_counts_the_positions_the_language_model_loss_counts(case):
         extra["ignore_index"] = -1
         valid = predicted_positions(labels, ignore_index=-1)
     assert not torch.equal(valid, predicted_positions(ids))  # a different set of positions than the default
+    if items is not None:
+        extra["num_items_in_batch"] = torch.tensor(items)
     torch.manual_seed(5)
     out = distilling(input_ids=ids, labels=labels, **extra)
     out.loss.backward()
@@ -493,12 +498,13 @@ def test_every_term_counts_the_positions_the_language_model_loss_counts(case):
         plain.train()
     torch.manual_seed(5)
     student = plain(input_ids=ids, labels=labels, output_hidden_states=True, **extra)
-    kl = logit_distillation(student.logits, teacher.logits, valid, 2.0)
-    mse = hidden_distillation(student.hidden_states[1:], teacher.hidden_states[1:], valid)
-    (0.5 * student.loss + 0.7 * kl + 0.3 * mse).backward()
+    kl = logit_distillation(student.logits, teacher.logits, valid, 2.0, items)
+    mse = hidden_distillation(student.hidden_states[1:], teacher.hidden_states[1:], valid, items)
+    (lm_weight * student.loss + 0.7 * kl + 0.3 * mse).backward()
+    per_token = 1.0 if items is None else items / int(valid.sum())  # the logged terms: per counted position
     assert out.loss.item() == pytest.approx(student.loss.item(), rel=1e-6)
-    assert out.distill_logits_loss.item() == pytest.approx(0.7 * kl.item(), rel=1e-5)
-    assert out.distill_hidden_loss.item() == pytest.approx(0.3 * mse.item(), rel=1e-5)
+    assert out.distill_logits_loss.item() == pytest.approx(0.7 * kl.item() * per_token, rel=1e-5)
+    assert out.distill_hidden_loss.item() == pytest.approx(0.3 * mse.item() * per_token, rel=1e-5)
     for name, layer in distilling.masked_layers().items():
         expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
         torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)

@@ -95,38 +95,66 @@ def test_unsupported_module_named_explicitly_raises(targets, type_name):
         get_mask_model(tiny_llama(), MaskConfig(target_modules=targets))
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "torchao"])
-def test_a_model_loaded_quantized_is_refused_with_the_fix(method):
+def _marked_quantized(model, method):
     from types import SimpleNamespace
 
+    model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=method))
+    return model
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "torchao"])
+def test_a_model_loaded_quantized_is_refused_with_the_fix(method):
     from transformers.utils.quantization_config import QuantizationMethod
 
-    model = tiny_llama()
-    model.hf_quantizer = SimpleNamespace(
-        quantization_config=SimpleNamespace(quant_method=QuantizationMethod(method))
-    )
-    with pytest.raises(TargetError, match=f"loaded quantized \\({method}\\).*without quantization_config"):
+    model = _marked_quantized(tiny_llama(), QuantizationMethod(method))
+    with pytest.raises(TargetError, match=f"loaded quantized \\({method}\\).*full-precision checkpoint"):
         get_mask_model(model, MaskConfig())
     assert not any(type(mod).__name__ == "MaskedLinear" for mod in model.modules())
+    assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
+
+
+def test_a_dequantized_gguf_model_is_told_how_to_unmark_it():
+    model = _marked_quantized(tiny_llama(), "gguf")
+    with pytest.raises(TargetError, match=r"GGUF.*remove_quantization_config\(model\)"):
+        get_mask_model(model, MaskConfig())
+
+
+def test_a_saved_mask_loaded_onto_a_quantized_model_names_the_quantization(tmp_path):
+    from hf_maskllm import MaskModel
+
+    get_mask_model(tiny_llama(), MaskConfig(prior="magnitude")).save_pretrained(tmp_path)
+    model = _marked_quantized(tiny_llama(), "bitsandbytes")
+    with pytest.raises(TargetError, match=r"loaded quantized \(bitsandbytes\)"):
+        MaskModel.from_pretrained(model, tmp_path)
 
 
 def test_a_compressed_nm_checkpoint_takes_masks_on_its_dense_layers():
-    from types import SimpleNamespace
-
     from hf_maskllm.sparse.format import QUANT_METHOD
 
-    model = tiny_llama()
-    model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=QUANT_METHOD))
+    model = _marked_quantized(tiny_llama(), QUANT_METHOD)
     assert len(get_mask_model(model, MaskConfig()).masked_names) == 7 * model.config.num_hidden_layers
 
 
+class _QuantizingTensor(torch.Tensor):
+    """Stands for a quantizing tensor subclass (torchao's) that reports a float dtype."""
+
+
+@pytest.mark.parametrize("storage", ["int8", "float8", "subclass"])
 @pytest.mark.parametrize("targets", ["all-linear", ["up_proj"]])
-def test_a_layer_with_integer_weights_is_refused_by_name(targets):
+def test_a_layer_with_quantized_weights_is_refused_by_name(targets, storage):
     model = tiny_llama()
     layer = model.model.layers[0].mlp.up_proj
-    layer.weight = nn.Parameter(torch.ones_like(layer.weight, dtype=torch.int8), requires_grad=False)
-    with pytest.raises(TargetError, match=r"layers\.0\.mlp\.up_proj \(Linear holding torch\.int8 weights\)"):
+    weight = {
+        "int8": lambda w: torch.ones_like(w, dtype=torch.int8),
+        "float8": lambda w: w.to(torch.float8_e4m3fn),
+        "subclass": lambda w: w.as_subclass(_QuantizingTensor),
+    }[storage](layer.weight.detach())
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    with pytest.raises(
+        TargetError, match=r"1 target layer\(s\) hold quantized weights.*layers\.0\.mlp\.up_proj"
+    ):
         get_mask_model(model, MaskConfig(target_modules=targets))
+    assert not any(type(mod).__name__ == "MaskedLinear" for mod in model.modules())
 
 
 def test_targets_matching_nothing_raise():

@@ -1,6 +1,6 @@
 """Mask sampling at the end of the schedule forms no denormal float, and changes nothing else.
 
-At tau 0.05 and kappa 500 with logits spread like a trained run (a magnitude prior at the default
+At tau 0.05 and kappa 1000 with logits spread like a trained run (a magnitude prior at the default
 strength), many probabilities fall below the float32 normal range (2**-126); unflushed, they make
 ``W * mask`` and the logits' gradient partly denormal, and every CPU matmul with them 100x slower.
 Each test checks that the flushed outputs hold no denormal and equal a float64 reference except
@@ -21,7 +21,7 @@ from hf_maskllm.numerics import fused_linear, sampling
 from hf_maskllm.numerics.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
 from hf_maskllm.patterns import candidate_patterns
 
-TAU, KAPPA = 0.05, 500.0  # the end of the default schedule
+TAU, KAPPA = MaskConfig().tau[1], MaskConfig().kappa[1]  # the end of the default schedule: 0.05, 1000
 SEED = 11
 # float32 exponents of size kappa / tau * |logit| (hundreds) carry absolute errors of about 1e-4:
 # the probabilities they give are exact to about 1e-4 relative, so compare at 1e-3.
@@ -163,7 +163,7 @@ def test_bf16_autocast_step_has_no_denormal_gradient():
 def test_eager_masked_weight_with_unfrozen_base_layer_is_flushed():
     """The plain-autograd path (the base layer unfrozen): W * mask, W's and the logits' gradients."""
     torch.manual_seed(3)
-    base = nn.Linear(64, 32)
+    base = nn.Linear(256, 64)
     layer = MaskedLinear(base, 2, 4, spread_logits(base.weight.detach(), 2, 4)).train()
     layer.schedule.update(tau=TAU, kappa=KAPPA)
     base.weight.requires_grad_(True)
@@ -176,7 +176,7 @@ def test_eager_masked_weight_with_unfrozen_base_layer_is_flushed():
     keep = plain.abs() >= FLOAT32_TINY
     assert torch.equal(masked.detach()[keep], plain[keep])  # flushing is exact elsewhere
     assert (masked.detach()[~keep] == 0).all()
-    layer(torch.randn(5, 64)).square().sum().backward()
+    layer(torch.randn(5, 256)).square().sum().backward()
     for name, grad in (("weight", base.weight.grad), ("logits", layer.mask_logits.grad)):
         assert grad.abs().max() > 0 and not is_denormal(grad).any(), name
 
