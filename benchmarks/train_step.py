@@ -15,7 +15,9 @@ run), each interleaved with the dense step in the same process (``--repeats`` ro
 Then a real ``learn_mask`` run of ``--run-steps`` steps on the embedded Wikipedia text (from the
 same prior; its schedule annealed from start to end over those steps) gives the mean and last steps
 of an actual run, with dense steps timed in the same process before and after it. Each masked mode runs in its
-own process. Results: ``--out`` .md and .json, headed by the command, date, machine (CPU model and
+own process. ``masked-defaults`` is the recommended recipe instead of the paper's: ``MaskConfig()``'s
+defaults (the logit KL to the unmasked model, tau 2 -> 0.05, kappa 100 -> 1000, prior strength 4),
+timed at the points of the given taus that lie in its own range (its start added). Results: ``--out`` .md and .json, headed by the command, date, machine (CPU model and
 the CPU flags its kernels use; the GPU with ``--device cuda``), versions and git commit.
 
 A step is ``--micro-batches`` forwards (default 1, as ``learn_mask``: one forward and mask sample for
@@ -50,7 +52,10 @@ MODES = {
     "masked-eager": "masked 2:4, fused eager sampling, MaskAdamW step",
     "masked-kl": "masked 2:4, as masked, + logit KL to the unmasked model (its forward every step)",
     "masked-kl-fp32": "masked 2:4, as masked-kl, the unmasked model's forward in float32 (not bfloat16 autocast)",
+    "masked-defaults": "masked 2:4, as masked-kl, with MaskConfig()'s defaults (tau 2 -> 0.05, kappa 100 -> 1000, "
+    "prior strength 4)",
 }
+RUN_MODES = ("masked", "masked-kl", "masked-kl-fp32", "masked-defaults")
 TAUS = "4,1,0.3,0.05"
 
 LLAMA_1B = dict(
@@ -152,9 +157,11 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         dense_step()
         result["dense"] = [timed(dense_step) for _ in range(args.repeats)]
     else:
-        # the paper's start and schedule: logits spread like a trained run, the widest tau range
-        objective = {"distill_logits": 1.0} if mode.startswith("masked-kl") else {}
-        config = MaskConfig(prior="magnitude", **{**PAPER_MASK_CONFIG, **objective})
+        if mode == "masked-defaults":  # the recommended recipe, as learn_mask and the CLI run it
+            config = MaskConfig(prior="magnitude")
+        else:  # the paper's start and schedule: logits spread like a trained run, the widest tau range
+            objective = {"distill_logits": 1.0} if mode.startswith("masked-kl") else {}
+            config = MaskConfig(prior="magnitude", **{**PAPER_MASK_CONFIG, **objective})
         mask_model = get_mask_model(model, config)
         prior_logits = [layer.mask_logits.detach().clone() for layer in mask_model.masked_layers().values()]
         mask_model.train()
@@ -177,7 +184,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
             with mask_model.disable_masks():
                 dense_step()
 
-        taus = [float(t) for t in args.taus.split(",")]
+        taus = schedule_points(args.taus, config)
         for tau in taus[:1] + taus[-1:]:  # warm-up, compilation
             mask_model.set_schedule_values(tau, kappa_at(tau, config), config.sparse_reg)
             masked_step()
@@ -200,7 +207,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         result["state_bytes_per_weight"] = (
             sizes["total"] / masked
         )  # optimizer + logits + grads (no callback here)
-        if mode in ("masked", "masked-kl", "masked-kl-fp32") and args.run_steps > 0 and tokenizer is not None:
+        if mode in RUN_MODES and args.run_steps > 0 and tokenizer is not None:
             with torch.no_grad():  # the run starts from the prior again
                 for layer, logits in zip(mask_model.masked_layers().values(), prior_logits):
                     layer.mask_logits.copy_(logits)
@@ -211,6 +218,13 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
     if torch.device(device).type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
+
+
+def schedule_points(taus: str, config) -> list[float]:
+    """The taus of ``taus`` (comma separated) within ``config``'s tau range, its start first if missing."""
+    start, end = config.tau
+    points = [float(t) for t in taus.split(",") if end <= float(t) <= start]
+    return points if points and points[0] == start else [start, *points]
 
 
 def real_run(mask_model, tokenizer, batch, seqlen, args, sync, timed, dense_step) -> dict:
@@ -252,7 +266,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="dense,masked",
-        help="dense, masked, masked-recompute, masked-eager, masked-kl, masked-kl-fp32 (comma separated)",
+        help="dense, masked, masked-recompute, masked-eager, masked-kl, masked-kl-fp32, masked-defaults "
+        "(comma separated)",
     )
     parser.add_argument("--taus", default=TAUS, help="points of the schedule (tau; kappa follows linearly)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians are reported)")
@@ -384,7 +399,8 @@ def write_results(args, results: list[dict], info: dict | None = None, gpu: dict
         "",
         "Schedule points: the masked step at each tau with the kappa that the paper's linear schedules pair "
         "with it (tau 4 -> 0.05, kappa 100 -> 500), logits from a magnitude prior at the paper's strength "
-        "(alpha 3); each step is its micro-batches (one forward and mask sample each; the dense step split the "
+        "(alpha 3); masked-defaults: MaskConfig()'s schedules and strength instead (tau 2 -> 0.05, "
+        "kappa 100 -> 1000, alpha 4), at the points in its range; each step is its micro-batches (one forward and mask sample each; the dense step split the "
         "same way) and one optimizer step; "
         f"median of {args.repeats} steps after warm-up, interleaved with dense steps in the same "
         "process (dense: median of all of them). The masked step includes the MaskAdamW step.",
@@ -406,14 +422,14 @@ def write_results(args, results: list[dict], info: dict | None = None, gpu: dict
         lines += [
             "",
             f"Real run: `learn_mask` for {args.run_steps} steps on the embedded Wikipedia training text "
-            "(magnitude prior, default schedules annealed over those steps: step k runs at progress "
+            "(magnitude prior, each mode's schedules annealed over those steps: step k runs at progress "
             f"k / {args.run_steps}), then dense steps timed in the same process before and after the run. "
             "Compiled code is reset before the run, as in a fresh process; mean over the steps after the first "
             "two (the first compiles).",
             "",
-            "| tokens / step | micro-batches | dense median s | run: mean s (steps 3+) | vs dense | last step s (tau) | "
-            "mean of last 3 | vs dense |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| tokens / step | micro-batches | step | dense median s | run: mean s (steps 3+) | vs dense | "
+            "last step s (tau) | mean of last 3 | vs dense |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         per_run = []
         for r in runs:
@@ -422,13 +438,14 @@ def write_results(args, results: list[dict], info: dict | None = None, gpu: dict
             last3 = statistics.mean(s["seconds"] for s in steps[-3:])
             mean = statistics.mean(warm)
             lines.append(
-                f"| {r['tokens']} | {r['micro_batches']} | {dense:.2f} | {mean:.2f} | **{mean / dense:.2f}x** | "
+                f"| {r['tokens']} | {r['micro_batches']} | {r['mode']} | {dense:.2f} | {mean:.2f} | **{mean / dense:.2f}x** | "
                 f"{steps[-1]['seconds']:.2f} ({steps[-1]['tau']:.3g}) | {last3:.2f} | **{last3 / dense:.2f}x** |"
             )
             per_step = ", ".join(f"{s['seconds']:.2f} (tau {s['tau']:.3g})" for s in steps)
             per_run += [
                 "",
-                f"Steps of the {r['tokens']}-token run in {r['micro_batches']} micro-batch(es), s: {per_step}.",
+                f"Steps of the {r['tokens']}-token {r['mode']} run in {r['micro_batches']} micro-batch(es), s: "
+                f"{per_step}.",
             ]
         lines += per_run
     spreads = ", ".join(
