@@ -52,10 +52,16 @@ def predicted_positions(
     labels: torch.Tensor, shift_labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """``bool [batch, seq]``: the positions whose next token is a label, as transformers' causal LM loss
-    counts them: ``shift_labels != ignore_index`` when the batch passes ``shift_labels`` (already shifted),
-    else ``labels`` shifted by one."""
+    counts them: ``shift_labels != ignore_index`` when the batch passes ``shift_labels`` (already shifted;
+    any shape with one entry per position of ``labels``, as transformers flattens it), else ``labels``
+    shifted by one."""
     if shift_labels is not None:
-        return shift_labels != ignore_index
+        if shift_labels.numel() != labels.numel():
+            raise ValueError(
+                f"shift_labels has {shift_labels.numel()} entries {tuple(shift_labels.shape)} but labels has "
+                f"{labels.numel()} {tuple(labels.shape)}: pass one shifted label per position of labels."
+            )
+        return (shift_labels != ignore_index).reshape(labels.shape).to(labels.device)
     valid = torch.zeros_like(labels, dtype=torch.bool)
     valid[:, :-1] = labels[:, 1:] != ignore_index
     return valid

@@ -467,20 +467,22 @@ def test_the_fused_language_model_loss_and_kl_match_float64_in_value_and_gradien
 
 @pytest.mark.parametrize("items", [None, 50], ids=["one-batch", "num-items"])
 @pytest.mark.parametrize("lm_weight", [0.5, 0.0], ids=["kl-in-the-loss", "kl-apart"])
-@pytest.mark.parametrize("case", ["shift-labels", "ignore-index"])
+@pytest.mark.parametrize("case", ["shift-labels", "flat-shift-labels", "ignore-index"])
 def test_every_term_counts_the_positions_the_language_model_loss_counts(case, lm_weight, items):
-    """A batch that passes ``shift_labels`` (already shifted, as context parallelism does) or its own
-    ``ignore_index``: the KL (in the language-model loss's pass or apart) and the hidden-state term count
+    """A batch that passes ``shift_labels`` (already shifted, as context parallelism does; also flattened,
+    which transformers' loss accepts) or its own ``ignore_index``: the KL (in the language-model loss's pass or apart) and the hidden-state term count
     the positions transformers' loss counts, divided as it is (also by the Trainer's ``num_items_in_batch``),
     and the logged terms are per such position."""
     distilling, plain = _models(**{**DISTILL, "lm_weight": lm_weight})
     distilling.set_teacher_bf16(False)  # as the hand computation's teacher
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(21))
     labels, extra = ids.clone(), {}
-    if case == "shift-labels":  # positions that the shifted labels of ``labels`` would count are left out
+    if case.endswith(
+        "shift-labels"
+    ):  # positions that the shifted labels of ``labels`` would count are left out
         shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
         shift[0, :5], shift[1, 7:] = -100, -100
-        extra["shift_labels"] = shift
+        extra["shift_labels"] = shift.flatten() if case == "flat-shift-labels" else shift
         valid = shift != -100
     else:
         labels[0, :4], labels[1, 9:] = -1, -1
@@ -508,6 +510,15 @@ def test_every_term_counts_the_positions_the_language_model_loss_counts(case, lm
     for name, layer in distilling.masked_layers().items():
         expected = plain.get_submodule(f"base_model.{name}").mask_logits.grad
         torch.testing.assert_close(layer.mask_logits.grad, expected, rtol=1e-4, atol=1e-9)
+
+
+def test_shift_labels_of_another_size_are_refused_with_the_fix():
+    """``shift_labels`` must hold one label per position of ``labels``: another count is named, not indexed."""
+    labels = torch.zeros(2, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="one shifted label per position"):
+        predicted_positions(labels, torch.zeros(2, 5, dtype=torch.long))
+    flat = torch.arange(12) % 3 - 1
+    assert torch.equal(predicted_positions(labels, flat, ignore_index=-1), (flat != -1).reshape(2, 6))
 
 
 def _own_loss(logits, labels, vocab_size, **kwargs):
