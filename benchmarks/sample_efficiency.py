@@ -406,6 +406,16 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05)},
         {"max_grad_norm": 0.0},
     ),
+    # the defaults, with the candidates' starting logits also ordered by their frozen-weight Wanda error
+    **{
+        f"lm-tau2-alpha4-constlr+kl1-kappa1000-wanda{b}": (
+            f"tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+            f"kappa 100 -> 1000, + {b} x std x log Wanda error ratio per candidate",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
+            {**CONSTANT_LR, "wanda_tiebreak": float(b)},
+        )
+        for b in ("0.5", "1", "2")
+    },
     "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
     "lm-warmup10": ("LM loss, 10 warm-up steps", {}, {"warmup_steps": 10}),
     "lm+kl0.1-lr1e-3": (
@@ -467,7 +477,10 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     }
     seqlen = learn_kwargs.pop("seqlen", args.seqlen)  # a variant may cut the same tokens into other sequences
     teacher_bf16 = learn_kwargs.pop("teacher_bf16", None)  # or the unmasked model's pass in float32
+    tiebreak = learn_kwargs.pop("wanda_tiebreak", None)
     mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
+    if tiebreak:
+        wanda_tiebreak(mask_model, Path(prior).with_name(Path(prior).name + "-norms.safetensors"), tiebreak)
     mask_model.set_teacher_bf16(teacher_bf16)
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=seqlen)
@@ -535,6 +548,63 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     }
 
 
+@torch.no_grad()
+def wanda_tiebreak(mask_model, norms_file: Path, beta: float) -> None:
+    """Add ``-beta * init_std * (log e_c - mean log e)`` to each group's candidate logits, ``e_c`` the pruned
+    Wanda energy ``sum (w_j ||x_j||)^2`` of candidate c; the prior's candidate stays each group's argmax."""
+    from safetensors.torch import load_file
+
+    from hf_maskllm.patterns import candidate_patterns
+
+    norms = load_file(str(norms_file))
+    config = mask_model.mask_config
+    cand = candidate_patterns(config.n, config.m).float()
+    for name, layer in mask_model.masked_layers().items():
+        logits = layer.mask_logits
+        prior_idx = logits.float().argmax(dim=1)
+        weight = layer.base_layer.weight.float()
+        energy = (weight * norms[name].float()[None]).pow(2).reshape(-1, config.m)
+        pruned = energy @ (1 - cand).t() + 1e-30  # [G, C]
+        log_e = pruned.log()
+        term = -(log_e - log_e.mean(dim=1, keepdim=True)).clamp(-3, 3)
+        out = logits.float() + beta * config.init_std * term
+        lead = out.gather(1, prior_idx[:, None]).squeeze(1)
+        best = out.max(dim=1).values
+        losers = out.argmax(dim=1) != prior_idx
+        out[losers, prior_idx[losers]] = best[losers] + 1e-4
+        logits.copy_(out.to(logits.dtype))
+        losers = logits.float().argmax(dim=1) != prior_idx
+        if bool(losers.any()):
+            row = logits[losers].float()
+            fixed = row.max(dim=1).values
+            row[torch.arange(row.shape[0]), prior_idx[losers]] = torch.nextafter(
+                fixed.to(logits.dtype), torch.tensor(float("inf"), dtype=logits.dtype)
+            ).float()
+            logits[losers] = row.to(logits.dtype)
+        assert bool((logits.float().argmax(dim=1) == prior_idx).all()), name
+        del lead
+
+
+def input_norms(mask_model, calib: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``||x_j||`` of every masked layer's input features over ``calib``, the unmasked model's forward."""
+    sums = {name: None for name in mask_model.masked_names}
+    hooks = []
+    for name, layer in mask_model.masked_layers().items():
+
+        def hook(module, inputs, name=name):
+            x = inputs[0].detach().double().reshape(-1, inputs[0].shape[-1]).pow(2).sum(0)
+            sums[name] = x if sums[name] is None else sums[name] + x
+
+        hooks.append(layer.base_layer.register_forward_pre_hook(hook))  # disable_masks puts it in place
+    mask_model.eval()
+    with torch.no_grad(), mask_model.disable_masks():
+        for batch in calib.split(4):
+            mask_model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    return {name: v.sqrt().float().contiguous() for name, v in sums.items()}
+
+
 def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
     """Dense and prior perplexity of one model, and its SparseGPT prior saved for every variant."""
     from hf_maskllm import MaskConfig, get_mask_model
@@ -552,6 +622,9 @@ def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
     prior_dir = work / f"{model_name}-prior"
     mask_model.save_pretrained(prior_dir)
     prior = _ppl(mask_model, tokenizer, args.eval_windows)
+    from safetensors.torch import save_file
+
+    save_file(input_norms(mask_model, calib), str(work / f"{model_name}-prior-norms.safetensors"))
     return {"dense": dense, "prior": prior, "prior_dir": str(prior_dir), "prior_seconds": prior_seconds}
 
 
