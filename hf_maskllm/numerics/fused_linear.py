@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from .denormals import flushed_product
+from .denormals import MASKED_WEIGHT_FLOOR, flushed_product
 from .sampling import sample_probs, soft_mask_from_probs
 
 __all__ = [
@@ -110,7 +110,8 @@ def _sample_weight(
     ``extra`` names any of ``"reg"`` (``||W * mask||^2``, a float32 scalar) and ``"probs"`` (the
     probabilities ``[C, G]``, candidate-major: contiguous stores vectorise), e.g. ``"reg+probs"``;
     what it does not name is None. Nothing below the float32 normal range is formed or returned
-    (``denormals.py``): such probabilities, products and squares are zeros.
+    (``denormals.py``): such probabilities, products and squares are zeros, and so are the entries of
+    ``W * mask`` below ``MASKED_WEIGHT_FLOOR``.
     """
     probs = sample_probs(logits, seed, tau, kappa)
     w_eff = _masked_columns(weight, probs, n, m, hard)
@@ -122,9 +123,10 @@ def _sample_weight(
 
 
 def _masked_columns(weight, probs, n: int, m: int, hard: bool) -> list[torch.Tensor]:
-    """The m float32 columns of ``W * mask`` from the sample's probabilities, flushed."""
+    """The m float32 columns of ``W * mask`` from the sample's probabilities, entries below
+    ``MASKED_WEIGHT_FLOOR`` set to 0 (no product with them in a matmul is denormal)."""
     mask = soft_mask_from_probs(list(probs), n, m, hard)
-    return [flushed_product(weight[:, j].float(), mask[j]) for j in range(m)]
+    return [flushed_product(weight[:, j].float(), mask[j], MASKED_WEIGHT_FLOOR) for j in range(m)]
 
 
 def _logits_grad(

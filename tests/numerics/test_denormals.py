@@ -5,7 +5,8 @@ strength), many probabilities fall below the float32 normal range (2**-126); unf
 ``W * mask`` and the logits' gradient partly denormal, and every CPU matmul with them 100x slower.
 Each test checks that the flushed outputs hold no denormal and equal a float64 reference except
 where that reference is itself below the normal range, and that the reference does reach that
-range (so the case is exercised).
+range (so the case is exercised). ``W * mask`` is held to a higher floor, ``MASKED_WEIGHT_FLOOR``,
+so that its products with activations and gradients in the matmuls stay normal too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from torch import nn
 from hf_maskllm import MaskConfig
 from hf_maskllm.adapters import MaskedLinear
 from hf_maskllm.numerics import fused_linear, sampling
-from hf_maskllm.numerics.denormals import FLOAT32_TINY, LN_FLOAT32_TINY, is_denormal, masked_weight_product
+from hf_maskllm.numerics.denormals import (
+    FLOAT32_TINY,
+    LN_FLOAT32_TINY,
+    MASKED_WEIGHT_FLOOR,
+    is_denormal,
+    masked_weight_product,
+)
 from hf_maskllm.patterns import candidate_patterns
 
 TAU, KAPPA = MaskConfig().tau[1], MaskConfig().kappa[1]  # the end of the default schedule: 0.05, 1000
@@ -56,20 +63,20 @@ def below_normal(t: torch.Tensor) -> torch.Tensor:
     return (t != 0) & (t.abs() < FLOAT32_TINY)
 
 
-def assert_flushed_match(ours: torch.Tensor, ref: torch.Tensor, name: str) -> None:
-    """No denormal in ``ours``; equal to ``ref`` (float64) where ``ref`` is in the normal range, else zero
-    (or, within float32 rounding of the boundary, the smallest normals)."""
+def assert_flushed_match(
+    ours: torch.Tensor, ref: torch.Tensor, name: str, floor: float = FLOAT32_TINY
+) -> None:
+    """No denormal in ``ours``; equal to ``ref`` (float64) where ``|ref| >= floor`` (by default: in the
+    normal range), else zero (or, within float32 rounding of the floor, values just above it)."""
     assert not is_denormal(ours).any(), f"{name}: {int(is_denormal(ours).sum())} denormal values"
-    assert below_normal(ref).any(), (
-        f"{name}: the reference never leaves the normal range; test exercises nothing"
+    assert ((ref != 0) & (ref.abs() < floor)).any(), (
+        f"{name}: the reference never falls below the floor; test exercises nothing"
     )
     ours = ours.double()
-    normal = ref.abs() >= FLOAT32_TINY
+    normal = ref.abs() >= floor
     bad = (ours - ref).abs() > RTOL * ref.abs()
     assert not (bad & normal).any(), f"{name}: mismatch at {(bad & normal).nonzero()[:5].tolist()}"
-    assert (ours[~normal].abs() < FLOAT32_TINY * (1 + RTOL)).all(), (
-        f"{name}: a below-normal value became large"
-    )
+    assert (ours[~normal].abs() < floor * (1 + RTOL)).all(), f"{name}: a below-normal value became large"
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -85,8 +92,10 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
     ref_probs = reference_probs(logits, SEED, TAU, KAPPA)
     assert_flushed_match(probs.t(), ref_probs, "probabilities")
     ref_w = weight.double() * (ref_probs @ candidate_patterns(2, 4, torch.float64)).reshape(weight.shape)
+    kept = w_eff[w_eff != 0].float().abs()
+    assert kept.min() >= MASKED_WEIGHT_FLOOR  # every product with it in a matmul stays normal
     if dtype == torch.float32:
-        assert_flushed_match(w_eff.view(weight.shape), ref_w, "W * mask")
+        assert_flushed_match(w_eff.view(weight.shape), ref_w, "W * mask", MASKED_WEIGHT_FLOOR)
     else:  # rounded to bfloat16 (8 bits): no denormal, and the float32 result rounded
         assert not is_denormal(w_eff).any()
         w32, _, _ = fused_linear._run(
@@ -101,6 +110,35 @@ def test_sampling_pass_flushes_probs_and_masked_weight(compiled, dtype):
         is_denormal(plain).any()
         and is_denormal(weight * (plain @ candidate_patterns(2, 4)).view(48, 64)).any()
     )
+    # and normal values below the masked weight's floor, which the floor sets to 0
+    between = (ref_w.abs() >= FLOAT32_TINY) & (ref_w.abs() < MASKED_WEIGHT_FLOOR)
+    assert between.any() and (w_eff.view(weight.shape)[between] == 0).all()
+
+
+def test_mid_schedule_masked_weight_is_zero_or_above_the_floor():
+    """Midway through the default schedule many probabilities lie between 1e-38 and 1e-20: ``W * mask``
+    from them is 0 where below ``MASKED_WEIGHT_FLOOR`` and the float64 formula elsewhere, so its products
+    with activations in the layer's matmul (and with gradients in the backward pass) are never denormal."""
+    config = MaskConfig()
+    (tau0, tau1), (kappa0, kappa1) = config.tau, config.kappa
+    tau = 0.3
+    kappa = kappa0 + (kappa1 - kappa0) * (tau0 - tau) / (tau0 - tau1)  # the linear schedules' pair
+    torch.manual_seed(6)
+    weight = torch.randn(64, 128)
+    logits = spread_logits(weight, 2, 4)
+    w_eff, _, _ = fused_linear._run(
+        "sample_weight", False, weight.reshape(-1, 4), logits, sampling.seed_tensor(SEED), tau, kappa,
+        2, 4, False, torch.float32, "",
+    )  # fmt: skip
+    mask = reference_probs(logits, SEED, tau, kappa) @ candidate_patterns(2, 4, torch.float64)
+    ref = weight.double() * mask.reshape(weight.shape)
+    between = (ref.abs() >= FLOAT32_TINY) & (ref.abs() < MASKED_WEIGHT_FLOOR)
+    assert between.float().mean() > 0.01  # many entries the normal-range flush alone would keep
+    assert_flushed_match(w_eff.view(weight.shape), ref, "W * mask", MASKED_WEIGHT_FLOOR)
+    x = torch.randn(9, 128)
+    products = x[:, None, :] * w_eff.view(weight.shape)[None]  # every product the forward's matmul sums
+    assert not is_denormal(products).any()
+    assert is_denormal(x[:, None, :] * ref.float()[None]).any()  # which the plain product would not avoid
 
 
 # The flush is the same code for every N:M: compiled, it is checked on 2:4; 4:8 (70 candidates) runs eager,
@@ -173,7 +211,7 @@ def test_eager_masked_weight_with_unfrozen_base_layer_is_flushed():
     torch.manual_seed(4)
     plain = base.weight.detach() * layer.sample_mask().detach()
     assert is_denormal(plain).any()  # the unflushed product does underflow
-    keep = plain.abs() >= FLOAT32_TINY
+    keep = plain.abs() >= MASKED_WEIGHT_FLOOR
     assert torch.equal(masked.detach()[keep], plain[keep])  # flushing is exact elsewhere
     assert (masked.detach()[~keep] == 0).all()
     layer(torch.randn(5, 256)).square().sum().backward()
@@ -190,7 +228,7 @@ def test_masked_weight_product_keeps_the_plain_gradients():
     (masked_weight_product(weight, mask) * upstream).sum().backward()
     plain = weight.detach() * mask.detach()
     out = masked_weight_product(weight.detach(), mask.detach())
-    keep = plain.abs() >= FLOAT32_TINY
+    keep = plain.abs() >= MASKED_WEIGHT_FLOOR
     assert torch.equal(out[keep], plain[keep]) and (out[~keep] == 0).all() and (~keep).any()
     torch.testing.assert_close(mask.grad, upstream * weight.detach(), rtol=0, atol=0)
     expected = upstream * mask.detach()
