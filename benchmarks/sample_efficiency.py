@@ -414,7 +414,17 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
             {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
             {**CONSTANT_LR, "wanda_tiebreak": float(b)},
         )
-        for b in ("0.5", "1", "2")
+        for b in ("0.5", "1", "2", "3", "4")
+    },
+    **{
+        f"lm-tau2-alpha4-constlr+kl1-kappa1000-wanda2-seed{seed}": (
+            "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
+            f"kappa 100 -> 1000, + 2 x std x log Wanda error ratio per candidate, seed {seed} (other training "
+            "sequences and mask noise)",
+            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
+            {**CONSTANT_LR, "wanda_tiebreak": 2.0, "seed": seed},
+        )
+        for seed in (1, 2)
     },
     "lm-alpha5": ("LM loss, prior strength 5", {"prior_strength": 5.0}, {}),
     "lm-warmup10": ("LM loss, 10 warm-up steps", {}, {"warmup_steps": 10}),
