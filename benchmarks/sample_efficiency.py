@@ -46,7 +46,10 @@ on Gemma-3 ``sample_efficiency_gemma_kappa`` and at 150 steps ``sample_efficienc
 the unmasked model's pass in bfloat16 against float32 ``sample_efficiency_teacher`` (SmolLM2) and
 ``sample_efficiency_gemma_teacher``; the KL against the language-model loss on Gemma-3 at seed 0
 ``sample_efficiency_gemma_distill``; seeds 1 and 2 of the default with the KL's gradient computed in its
-forward pass and the unmasked model in bfloat16 ``sample_efficiency_distill_seeds``). ``--render`` rewrites a run's .md from its .json, each row labelled
+forward pass and the unmasked model in bfloat16 ``sample_efficiency_distill_seeds``; the Wanda order of the
+starting candidates (``MaskConfig.wanda_strength``) ``sample_efficiency_wanda_order`` and, at seeds 0 and 1,
+``sample_efficiency_wanda_order_seeds``, at 150 steps ``sample_efficiency_150steps_wanda_order``, on Gemma-3
+``sample_efficiency_gemma_wanda_order``). ``--render`` rewrites a run's .md from its .json, each row labelled
 as the variant table labels it now.
 """
 
@@ -406,23 +409,35 @@ VARIANTS = {  # key: (label, MaskConfig fields, learn_mask keyword overrides)
         {"tau": (2.0, 0.05)},
         {"max_grad_norm": 0.0},
     ),
-    # the defaults, with the candidates' starting logits also ordered by their frozen-weight Wanda error
+    # the Wanda order (MaskConfig.wanda_strength) beside the defaults of then
     **{
         f"lm-tau2-alpha4-constlr+kl1-kappa1000-wanda{b}": (
             f"tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
             f"kappa 100 -> 1000, + {b} x std x log Wanda error ratio per candidate",
-            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
-            {**CONSTANT_LR, "wanda_tiebreak": float(b)},
+            {
+                "tau": (2.0, 0.05),
+                "prior_strength": 4.0,
+                "distill_logits": 1.0,
+                "kappa": (100.0, 1000.0),
+                "wanda_strength": float(b),
+            },
+            CONSTANT_LR,
         )
         for b in ("0.5", "1", "2", "3", "4")
     },
     **{
-        f"lm-tau2-alpha4-constlr+kl1-kappa1000-wanda2-seed{seed}": (
+        f"lm-tau2-alpha4-constlr+kl1-kappa1000-wanda4-seed{seed}": (
             "tau 2 -> 0.05, strength 4, constant rate, LM loss + 1 x logit KL to the unmasked model (T=1), "
-            f"kappa 100 -> 1000, + 2 x std x log Wanda error ratio per candidate, seed {seed} (other training "
+            f"kappa 100 -> 1000, + 4 x std x log Wanda error ratio per candidate, seed {seed} (other training "
             "sequences and mask noise)",
-            {"tau": (2.0, 0.05), "prior_strength": 4.0, "distill_logits": 1.0, "kappa": (100.0, 1000.0)},
-            {**CONSTANT_LR, "wanda_tiebreak": 2.0, "seed": seed},
+            {
+                "tau": (2.0, 0.05),
+                "prior_strength": 4.0,
+                "distill_logits": 1.0,
+                "kappa": (100.0, 1000.0),
+                "wanda_strength": 4.0,
+            },
+            {**CONSTANT_LR, "seed": seed},
         )
         for seed in (1, 2)
     },
@@ -468,7 +483,7 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     from transformers import TrainerCallback
 
     from hf_maskllm import MaskConfig, get_mask_model
-    from hf_maskllm.data import causal_lm_dataset
+    from hf_maskllm.data import calibration_tokens, causal_lm_dataset
     from hf_maskllm.learn import learn_mask
     from hf_maskllm.memory import training_state_bytes
     from hf_maskllm.training_args import PAPER_LR_SCHEDULE
@@ -487,10 +502,12 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     }
     seqlen = learn_kwargs.pop("seqlen", args.seqlen)  # a variant may cut the same tokens into other sequences
     teacher_bf16 = learn_kwargs.pop("teacher_bf16", None)  # or the unmasked model's pass in float32
-    tiebreak = learn_kwargs.pop("wanda_tiebreak", None)
-    mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields))
-    if tiebreak:
-        wanda_tiebreak(mask_model, Path(prior).with_name(Path(prior).name + "-norms.safetensors"), tiebreak)
+    calib = None  # the Wanda order's input norms: on the prior's calibration tokens
+    if fields.get("wanda_strength"):
+        calib = calibration_tokens(
+            "wikipedia:train", tokenizer, num_samples=args.calib_samples, seqlen=512, seed=0
+        )
+    mask_model = get_mask_model(model, MaskConfig(prior=prior, **fields), calibration_data=calib)
     mask_model.set_teacher_bf16(teacher_bf16)
     masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
     train = causal_lm_dataset("wikipedia:train", tokenizer, seqlen=seqlen)
@@ -558,63 +575,6 @@ def run_variant(model_name: str, key: str, prior: str, args: argparse.Namespace)
     }
 
 
-@torch.no_grad()
-def wanda_tiebreak(mask_model, norms_file: Path, beta: float) -> None:
-    """Add ``-beta * init_std * (log e_c - mean log e)`` to each group's candidate logits, ``e_c`` the pruned
-    Wanda energy ``sum (w_j ||x_j||)^2`` of candidate c; the prior's candidate stays each group's argmax."""
-    from safetensors.torch import load_file
-
-    from hf_maskllm.patterns import candidate_patterns
-
-    norms = load_file(str(norms_file))
-    config = mask_model.mask_config
-    cand = candidate_patterns(config.n, config.m).float()
-    for name, layer in mask_model.masked_layers().items():
-        logits = layer.mask_logits
-        prior_idx = logits.float().argmax(dim=1)
-        weight = layer.base_layer.weight.float()
-        energy = (weight * norms[name].float()[None]).pow(2).reshape(-1, config.m)
-        pruned = energy @ (1 - cand).t() + 1e-30  # [G, C]
-        log_e = pruned.log()
-        term = -(log_e - log_e.mean(dim=1, keepdim=True)).clamp(-3, 3)
-        out = logits.float() + beta * config.init_std * term
-        lead = out.gather(1, prior_idx[:, None]).squeeze(1)
-        best = out.max(dim=1).values
-        losers = out.argmax(dim=1) != prior_idx
-        out[losers, prior_idx[losers]] = best[losers] + 1e-4
-        logits.copy_(out.to(logits.dtype))
-        losers = logits.float().argmax(dim=1) != prior_idx
-        if bool(losers.any()):
-            row = logits[losers].float()
-            fixed = row.max(dim=1).values
-            row[torch.arange(row.shape[0]), prior_idx[losers]] = torch.nextafter(
-                fixed.to(logits.dtype), torch.tensor(float("inf"), dtype=logits.dtype)
-            ).float()
-            logits[losers] = row.to(logits.dtype)
-        assert bool((logits.float().argmax(dim=1) == prior_idx).all()), name
-        del lead
-
-
-def input_norms(mask_model, calib: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``||x_j||`` of every masked layer's input features over ``calib``, the unmasked model's forward."""
-    sums = {name: None for name in mask_model.masked_names}
-    hooks = []
-    for name, layer in mask_model.masked_layers().items():
-
-        def hook(module, inputs, name=name):
-            x = inputs[0].detach().double().reshape(-1, inputs[0].shape[-1]).pow(2).sum(0)
-            sums[name] = x if sums[name] is None else sums[name] + x
-
-        hooks.append(layer.base_layer.register_forward_pre_hook(hook))  # disable_masks puts it in place
-    mask_model.eval()
-    with torch.no_grad(), mask_model.disable_masks():
-        for batch in calib.split(4):
-            mask_model(input_ids=batch)
-    for h in hooks:
-        h.remove()
-    return {name: v.sqrt().float().contiguous() for name, v in sums.items()}
-
-
 def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
     """Dense and prior perplexity of one model, and its SparseGPT prior saved for every variant."""
     from hf_maskllm import MaskConfig, get_mask_model
@@ -632,9 +592,6 @@ def prepare(model_name: str, work: Path, args: argparse.Namespace) -> dict:
     prior_dir = work / f"{model_name}-prior"
     mask_model.save_pretrained(prior_dir)
     prior = _ppl(mask_model, tokenizer, args.eval_windows)
-    from safetensors.torch import save_file
-
-    save_file(input_norms(mask_model, calib), str(work / f"{model_name}-prior-norms.safetensors"))
     return {"dense": dense, "prior": prior, "prior_dir": str(prior_dir), "prior_seconds": prior_seconds}
 
 

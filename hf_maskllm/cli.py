@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         "at the start (default: %(default)s; the paper's: 3.0)",
     )
     learn.add_argument(
+        "--wanda-strength",
+        type=float,
+        default=MaskConfig.wanda_strength,
+        help="beta of the Wanda order of each group's starting candidates (default: 4.0 with a wanda or "
+        "sparsegpt prior, which calibrate on the training data; 0: the paper's start)",
+    )
+    learn.add_argument(
         "--init-std",
         type=float,
         default=MaskConfig.init_std,
@@ -260,6 +267,7 @@ def learn(args: argparse.Namespace) -> dict:
         calibration_seqlen=args.calib_seqlen,
         tau=tuple(args.tau),
         prior_strength=args.prior_strength,
+        wanda_strength=args.wanda_strength,
         init_std=args.init_std,
         kappa=tuple(args.kappa),
         lm_weight=args.lm_weight,
@@ -270,7 +278,7 @@ def learn(args: argparse.Namespace) -> dict:
     )
     t0 = time.perf_counter()
     calibration = None
-    if prior is not None and {"wanda", "sparsegpt"} & set(prior):
+    if prior is not None and ({"wanda", "sparsegpt"} & set(prior) or (args.wanda_strength or 0) > 0):
         calibration = calibration_tokens(
             args.train_data,
             tokenizer,

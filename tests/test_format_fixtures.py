@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from hf_maskllm import MaskConfig, MaskModel, check_nm
-from hf_maskllm.adapters.config import ADDED_FIELDS, PAPER_OBJECTIVE
+from hf_maskllm.adapters.config import ADDED_DEFAULTS, ADDED_FIELDS
 from hf_maskllm.sparse import SparseLinear
 
 FIXTURES = Path(__file__).parent / "fixtures" / "format_v1"
@@ -146,10 +146,11 @@ def test_fixture_files_are_the_committed_ones():
 
 def _v1_fields(config: MaskConfig) -> dict:
     """The config's fields that files of the fixtures' time hold; the fields added since (``ADDED_FIELDS``)
-    must read as the paper's objective, the one those masks were learned with (not today's default)."""
+    must read as what those masks were learned with: the paper's objective, no Wanda order (not today's
+    defaults)."""
     d = config.to_dict()
     for name in ADDED_FIELDS:
-        assert d.pop(name) == PAPER_OBJECTIVE[name], name
+        assert d.pop(name) == ADDED_DEFAULTS[name], name
     return d
 
 

@@ -24,8 +24,10 @@ SCHEDULES = ("linear", "cosine", "exponential")
 # The paper's objective, the language-model loss alone. A saved config leaves out the fields that hold
 # these values, and a saved config without them reads them (older files: what those masks learned with).
 PAPER_OBJECTIVE = {"lm_weight": 1.0, "distill_logits": 0.0, "distill_temperature": 1.0, "distill_hidden": 0.0}
-# Fields added after files of format version 1 were first written: the objective's.
-ADDED_FIELDS = tuple(PAPER_OBJECTIVE)
+# Fields added after files of format version 1 were first written (the objective's and the Wanda order's),
+# at the values that files without them were learned with.
+ADDED_DEFAULTS = {**PAPER_OBJECTIVE, "wanda_strength": 0.0}
+ADDED_FIELDS = tuple(ADDED_DEFAULTS)
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 # The paper's temperature, logit scale, prior start and objective, where the defaults differ or may
 # differ: ``MaskConfig(prior=..., **PAPER_MASK_CONFIG)`` starts, anneals and learns as the paper does.
@@ -34,6 +36,7 @@ PAPER_MASK_CONFIG = {
     "kappa": (100.0, 500.0),
     "prior_strength": 3.0,
     "init_std": 0.01,
+    "wanda_strength": 0.0,
     "distill_logits": 0.0,
 }
 
@@ -64,6 +67,14 @@ class MaskConfig:
         prior_strength: ``alpha`` of the prior rule ``logits += alpha * std * (overlap - n/2)``
             (per prior, for a list). 4.0; the paper's is 3.0 (``prior_strength=3.0``), see
             docs/training.md for why the default differs.
+        wanda_strength: ``beta`` of the Wanda order, applied after the prior rule:
+            ``logits -= beta * std * (log e_c - mean_c log e_c)`` (clipped to 3 standard deviations), where
+            ``e_c`` is the Wanda error of candidate ``c``, ``sum (W_j * ||X_j||)^2`` over the weights it
+            prunes, ``X`` the layer's inputs on the calibration data. The prior's pattern still leads
+            every group; the others start in the order Wanda ranks them, and where Wanda prefers
+            another pattern the prior's lead shrinks. Default ``None``: 4.0 when the mask starts from a
+            prior and calibration data is given, else 0.0 (filled in when the mask is added; the saved
+            config holds the value used). The paper's: 0.0 (see docs/training.md).
         calibration_samples: Sequences used by data-driven priors.
         calibration_seqlen: Tokens per calibration sequence.
         sparse_reg: ``lambda`` of the sparse weight regulariser, decaying linearly to 0.
@@ -110,6 +121,13 @@ class MaskConfig:
         },
     )
     prior_strength: float = field(default=4.0, metadata={"help": "alpha of the prior rule (the paper: 3.0)."})
+    wanda_strength: float | None = field(
+        default=None,
+        metadata={
+            "help": "beta of the Wanda order of the starting candidates (default: 4.0 with a prior and "
+            "calibration data, else 0; the paper: 0)."
+        },
+    )
     calibration_samples: int = field(
         default=128, metadata={"help": "Sequences for wanda / sparsegpt priors."}
     )
@@ -185,9 +203,11 @@ class MaskConfig:
             value = getattr(self, name)
             if not _is_number(value) or not (value >= low) or value == float("inf"):
                 raise ConfigError(f"`{name}` must be a finite number >= {low}, got {value!r}.")
-        for name in ("lm_weight", "distill_logits", "distill_hidden"):
+        for name in ("wanda_strength", "lm_weight", "distill_logits", "distill_hidden"):
             value = getattr(self, name)
-            if name == "distill_logits" and value is None:  # filled in for the model (resolve_objective)
+            if (
+                name in ("wanda_strength", "distill_logits") and value is None
+            ):  # filled in when the mask is added
                 continue
             if not _is_number(value) or not (value >= 0) or value == float("inf"):
                 raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}.")
@@ -228,6 +248,23 @@ class MaskConfig:
         causal language model, 0.0 (the language-model loss alone) for others."""
         if self.distill_logits is None:
             self.distill_logits = 1.0 if causal_lm else 0.0
+
+    def resolve_wanda_strength(self, has_calibration: bool) -> None:
+        """Fill in ``wanda_strength=None`` (the default): 4.0 when the mask starts from a prior and
+        calibration data is given, 0.0 otherwise; refuse a positive value that cannot apply."""
+        if self.wanda_strength is None:
+            self.wanda_strength = 4.0 if self.prior_sources and has_calibration else 0.0
+        elif self.wanda_strength > 0 and not self.prior_sources:
+            raise ConfigError(
+                f"wanda_strength={self.wanda_strength} orders the candidates around a prior's pattern, and "
+                "prior is None: set prior= (e.g. 'sparsegpt'), or wanda_strength=0."
+            )
+        elif self.wanda_strength > 0 and not has_calibration:
+            raise ConfigError(
+                f"wanda_strength={self.wanda_strength} needs calibration data for the layers' input norms: pass "
+                "calibration_data= (token ids [S, L], or texts / a dataset with tokenizer=), or set "
+                "wanda_strength=0."
+            )
 
     @property
     def num_candidates(self) -> int:
@@ -280,7 +317,7 @@ class MaskConfig:
         if unknown:
             raise ConfigError(f"Unknown MaskConfig field(s) {unknown}; valid fields are {sorted(names)}.")
         if require_all:  # a saved file: one written before the objective fields learned the paper's
-            data = {**PAPER_OBJECTIVE, **data}
+            data = {**ADDED_DEFAULTS, **data}
             missing = sorted(names - set(data))
             if missing:
                 raise ConfigError(
@@ -297,7 +334,7 @@ class MaskConfig:
 
         data = self.to_dict()
         for name in ADDED_FIELDS:  # at the paper's values, left out: older hf_maskllm versions read the file
-            if data[name] == PAPER_OBJECTIVE[name]:
+            if data[name] == ADDED_DEFAULTS[name]:
                 del data[name]
         data["format_version"] = FORMAT_VERSION
         data["hf_maskllm_version"] = __version__

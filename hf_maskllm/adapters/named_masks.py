@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError
-from ..modules import is_conv1d
+from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns
 from .config import CONFIG_NAME, MaskConfig
 from .objective import is_causal_lm
-from .prior_init import TORCH_DTYPES, initial_logits, prior_masks
+from .prior_init import TORCH_DTYPES, initial_logits, prior_masks, wanda_order_norms
 from .reference_file import REFERENCE_NAME, find_reference_file
 from .save_and_load import (
     DEFAULT_MASK_NAME,
@@ -183,10 +183,19 @@ class NamedMasksMixin:
             if config.base_model_name_or_path is None:
                 config.base_model_name_or_path = _name_or_path(model)
             config.resolve_objective(is_causal_lm(model))
+            config.resolve_wanda_strength(calibration_data is not None)
             priors = prior_masks(model, config, self.masked_names, calibration_data, tokenizer)
+            norms = None
+            if config.wanda_strength:
+                norms = wanda_order_norms(model, config, self.masked_names, calibration_data, tokenizer)
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
         devices = {name: layer.base_layer.weight.device for name, layer in layers.items()}
-        logits = initial_logits(config, shapes, devices, priors)
+        wanda = None
+        if norms is not None:
+            wanda = {
+                name: (dense_weight_view(layer.base_layer), norms[name]) for name, layer in layers.items()
+            }
+        logits = initial_logits(config, shapes, devices, priors, wanda)
         for name, layer in layers.items():
             layer.add_mask(mask_name, logits=logits[name])
         self._mask_info[mask_name] = NamedMask(config, trainable=True)

@@ -2,7 +2,8 @@
 
 Every mask of a :class:`~hf_maskllm.MaskModel` starts here: ``random_logits`` draws the normal
 init, ``prior_masks`` turns ``MaskConfig.prior`` (a one-shot method on calibration data, or a saved
-mask: transfer learning) into N:M hard masks, and ``prior_logits`` applies the MaskLLM prior rule.
+mask: transfer learning) into N:M hard masks, ``prior_logits`` applies the MaskLLM prior rule, and
+``wanda_order`` orders each group's candidates by their Wanda error (``MaskConfig.wanda_strength``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ __all__ = [
     "prior_masks",
     "random_logits",
     "saved_mask_prior",
+    "wanda_order",
+    "wanda_order_norms",
 ]
+
+# The Wanda order's term per candidate is clipped to this many standard deviations of the init.
+WANDA_ORDER_CLIP = 3.0
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,14 +141,75 @@ def initial_logits(
     shapes: dict[str, tuple[int, int]],
     devices: dict[str, torch.device] | None = None,
     priors: list[dict[str, torch.Tensor]] | None = None,
+    wanda: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A new mask's logits: the config's seeded normal init, with the prior rule for ``priors`` when given."""
+    """A new mask's logits: the config's seeded normal init, with the prior rule for ``priors`` when given,
+    then the Wanda order at ``config.wanda_strength`` where ``wanda`` gives each layer's
+    ``(weight [out, in], input norms [in])``."""
     logits = random_logits(config, shapes, devices)
     if not priors:
         return logits
-    return apply_prior_rule(
+    logits = apply_prior_rule(
         logits, priors, shapes, config.n, config.m, config.prior_strength, config.init_std
     )
+    if not wanda or not config.wanda_strength:
+        return logits
+    beta, std = config.wanda_strength, config.init_std
+    return {
+        name: wanda_order(tensor, *wanda[name], config.n, config.m, beta, std)
+        for name, tensor in logits.items()
+    }
+
+
+@torch.no_grad()
+def wanda_order(
+    logits: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    n: int,
+    m: int,
+    beta: float,
+    init_std: float,
+) -> torch.Tensor:
+    """``logits - beta * init_std * clip(log e_c - mean_c log e_c, +-3)`` with the leading candidate of every
+    group (the prior's) kept in the lead; same dtype as ``logits`` ``[G, C]``.
+
+    ``e_c`` is candidate ``c``'s Wanda error: ``sum (W_j * norms_j)^2`` over the weights it prunes (``weight``
+    ``[out, in]``, ``norms`` ``[in]``: the inputs' L2 norms). Where the term would let another candidate
+    overtake the leader, the leader's logit is raised just above the group's maximum, so the hard mask is
+    unchanged (also after rounding to 16-bit logits)."""
+    cand = candidate_patterns(n, m, device=logits.device).float()
+    lead_idx = logits.float().argmax(dim=1)
+    energy = (weight.float() * norms.to(weight.device).float()[None]).pow(2).reshape(-1, m).to(logits.device)
+    log_error = (energy @ (1 - cand).t() + 1e-30).log()  # [G, C]; 1e-30: an all-zero group ties
+    term = -(log_error - log_error.mean(dim=1, keepdim=True)).clamp(-WANDA_ORDER_CLIP, WANDA_ORDER_CLIP)
+    out = logits.float() + beta * init_std * term
+    best = out.max(dim=1).values
+    losers = out.argmax(dim=1) != lead_idx
+    out[losers, lead_idx[losers]] = best[losers] + 1e-4
+    out = out.to(logits.dtype)
+    losers = out.float().argmax(dim=1) != lead_idx
+    if bool(
+        losers.any()
+    ):  # rounding to 16 bits tied the lift: the next representable value above the maximum
+        row = out[losers].float()
+        top = row.max(dim=1).values
+        row[torch.arange(row.shape[0], device=row.device), lead_idx[losers]] = torch.nextafter(
+            top.to(out.dtype), torch.tensor(float("inf"), dtype=out.dtype, device=out.device)
+        ).float()
+        out[losers] = row.to(out.dtype)
+    return out
+
+
+def wanda_order_norms(
+    model: nn.Module, config: MaskConfig, targets: list[str], data: Any, tokenizer: Any
+) -> dict[str, torch.Tensor]:
+    """The input norms ``wanda_order`` needs: ``{layer: ||X_j||}`` of ``targets`` over the calibration data,
+    in one pass of the (dense) ``model``."""
+    from ..priors.wanda import input_norms
+
+    tokens = _calibration_tokens(config, "wanda", data, tokenizer)
+    return input_norms(model, targets, tokens)
 
 
 def prior_masks(

@@ -5,12 +5,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
+from tqdm.auto import tqdm
 
 from ..errors import DataError
+from ..modules import dense_weight_view
 from .magnitude import nm_mask_from_scores
 
-__all__ = ["InputNormStats", "wanda_mask"]
+__all__ = ["InputNormStats", "input_norms", "wanda_mask"]
 
 
 class InputNormStats:
@@ -42,3 +47,30 @@ def wanda_mask(weight: torch.Tensor, input_norms: torch.Tensor, n: int, m: int) 
     """N:M mask of a ``[out, in]`` weight keeping the largest ``|W_ij| * ||X_j||`` per group."""
     scores = weight.detach().float().abs() * input_norms.to(weight.device).float().unsqueeze(0)
     return nm_mask_from_scores(scores, n, m)
+
+
+@torch.no_grad()
+def input_norms(
+    model: nn.Module, names: Sequence[str], tokens: torch.Tensor, batch_size: int = 4
+) -> dict[str, torch.Tensor]:
+    """``{name: ||X_j||_2}`` (float32 ``[in]``) of the layers ``names`` of ``model``: their input features
+    over every token of ``tokens`` (``[S, L]`` ids), in one pass of the model as it is (eval mode, no
+    gradient), ``batch_size`` sequences per forward. Squares are summed in float64."""
+    stats = {name: InputNormStats(dense_weight_view(model.get_submodule(name)).shape[1]) for name in names}
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, inputs, name=name: stats[name].add(InputNormStats.increment(inputs[0].double()))
+        )
+        for name in names
+    ]
+    device = model.get_input_embeddings().weight.device
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in tqdm(tokens.split(batch_size), desc="Input norms (Wanda order)", leave=False):
+            model(input_ids=batch.to(device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return {name: stat.norms() for name, stat in stats.items()}

@@ -27,6 +27,9 @@ def test_defaults_follow_the_paper_but_for_the_temperature_start_the_logit_scale
     assert cfg.tau_schedule == "linear" and cfg.kappa_schedule == "linear"
     assert cfg.hard is False and cfg.prior is None
     assert cfg.prior_strength == 4.0  # the paper's: 3.0
+    assert (
+        cfg.wanda_strength is None
+    )  # 4.0 with a prior and calibration data, filled in when the mask is added
     assert cfg.sparse_reg == 1e-5 and cfg.init_std == 0.01
     assert cfg.logits_dtype == "bfloat16" and cfg.seed == 0 and cfg.strict is False
 
@@ -80,6 +83,8 @@ BAD_VALUES = [
     ({"prior": ""}, "`prior`"),
     ({"prior": 3}, "`prior`"),
     ({"prior_strength": -1.0}, "`prior_strength`"),
+    ({"wanda_strength": -1.0}, "`wanda_strength`"),
+    ({"wanda_strength": float("inf")}, "`wanda_strength`"),
     ({"sparse_reg": -1e-5}, "`sparse_reg`"),
     ({"sparse_reg": float("nan")}, "`sparse_reg`"),
     ({"init_std": 0.0}, "`init_std`"),

@@ -217,3 +217,104 @@ def test_get_mask_model_calibrates_from_texts_and_starts_at_the_prior(method):
         get_mask_model(tiny_llama(), MaskConfig(prior=method), calibration_data=texts)
     with pytest.raises(ConfigError, match="calibration"):
         get_mask_model(tiny_llama(), MaskConfig(prior=method))
+
+
+# ---------------------------------------------------------------------------------------------- Wanda order
+def test_wanda_order_matches_a_float64_hand_computation_and_keeps_the_lead():
+    """``logits - beta * std * clip(log e_c - mean log e, 3)``, ``e_c`` the pruned ``(W_j ||X_j||)^2``; where
+    that lets another candidate overtake the prior's, the prior's is lifted just above it."""
+    from hf_maskllm.adapters.prior_init import prior_logits, wanda_order
+
+    gen = torch.Generator().manual_seed(7)
+    weight, norms = torch.randn(16, 32, generator=gen), torch.rand(32, generator=gen) * 3
+    prior = candidate_patterns(2, 4, dtype=torch.bool)[torch.randint(0, 6, (128,), generator=gen)].reshape(
+        16, 32
+    )
+    logits = prior_logits(torch.randn(128, 6, generator=gen) * 0.01, prior, 2, 4, 4.0, 0.01)
+    lead = logits.argmax(dim=1)
+    out = wanda_order(logits, weight, norms, 2, 4, beta=4.0, init_std=0.01)
+
+    cand = candidate_patterns(2, 4, torch.float64)
+    error = ((weight.double() * norms.double()) ** 2).reshape(-1, 4) @ (1 - cand).t()  # [G, C]
+    log_error = error.log()
+    expected = logits.double() - 4.0 * 0.01 * (log_error - log_error.mean(dim=1, keepdim=True)).clamp(-3, 3)
+    assert torch.equal(out.argmax(dim=1), lead)  # the hard mask is the prior's
+    lifted = expected.argmax(dim=1) != lead
+    assert lifted.any() and (~lifted).any()  # both cases occur
+    torch.testing.assert_close(out.double()[~lifted], expected[~lifted], rtol=0, atol=1e-6)
+    others = torch.ones_like(expected, dtype=torch.bool).scatter_(1, lead[:, None], False)
+    torch.testing.assert_close(
+        out.double()[lifted][others[lifted]], expected[lifted][others[lifted]], rtol=0, atol=1e-6
+    )
+    top_other = expected[lifted].masked_fill(~others[lifted], -float("inf")).amax(dim=1)
+    assert (out.double()[lifted, lead[lifted]] > top_other).all()
+    # among the other candidates, a lower Wanda error starts higher
+    delta = out.double() - logits.double()
+    d, e = delta[others].view(-1, 5), log_error[others].view(-1, 5)
+    lower = e[:, :, None] < e[:, None, :]  # candidate i prunes less Wanda error than j
+    assert (d[:, :, None] >= d[:, None, :] - 1e-6)[lower].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wanda_order_keeps_the_lead_after_rounding_to_16_bits(dtype):
+    from hf_maskllm.adapters.prior_init import prior_logits, wanda_order
+
+    gen = torch.Generator().manual_seed(8)
+    weight, norms = torch.randn(64, 64, generator=gen), torch.rand(64, generator=gen)
+    prior = candidate_patterns(2, 4, dtype=torch.bool)[torch.randint(0, 6, (1024,), generator=gen)].reshape(
+        64, 64
+    )
+    logits = prior_logits((torch.randn(1024, 6, generator=gen) * 0.01).to(dtype), prior, 2, 4, 4.0, 0.01)
+    out = wanda_order(logits, weight, norms, 2, 4, beta=10.0, init_std=0.01)
+    assert out.dtype == dtype
+    assert torch.equal(out.argmax(dim=1), logits.argmax(dim=1))
+
+
+def test_input_norms_are_the_layer_inputs_l2_norms_over_every_token():
+    from hf_maskllm.priors.wanda import input_norms
+
+    model = tiny_llama().train()
+    ids = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(9))
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+    norms = input_norms(model, names, ids, batch_size=2)
+    with torch.no_grad():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    torch.testing.assert_close(
+        norms[names[0]].double(), x.double().pow(2).sum((0, 1)).sqrt(), rtol=1e-5, atol=0
+    )
+    assert norms[names[1]].shape == (model.config.intermediate_size,) and (norms[names[1]] > 0).all()
+    torch.testing.assert_close(input_norms(model, names, ids, batch_size=5)[names[1]], norms[names[1]])
+    assert model.training  # left as it was (the pass itself runs in eval mode)
+
+
+def test_get_mask_model_fills_in_the_wanda_strength_and_refuses_what_cannot_apply(tmp_path):
+    """Default: 4.0 with a prior and calibration data (the starting hard mask is still the prior's, the
+    logits differ), 0.0 without calibration data; an explicit strength that cannot apply names the fix; the
+    saved config holds the value used; the paper's config starts without the order."""
+    from hf_maskllm.adapters.config import PAPER_MASK_CONFIG
+
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(10))
+    ordered = get_mask_model(tiny_llama(), MaskConfig(prior="wanda"), calibration_data=ids)
+    plain = get_mask_model(tiny_llama(), MaskConfig(prior="wanda", wanda_strength=0.0), calibration_data=ids)
+    assert ordered.mask_config.wanda_strength == 4.0 and plain.mask_config.wanda_strength == 0.0
+    for name, mask in plain.hard_masks().items():
+        assert torch.equal(ordered.hard_masks()[name], mask), name
+    assert any(
+        not torch.equal(layer.mask_logits, plain.masked_layers()[name].mask_logits)
+        for name, layer in ordered.masked_layers().items()
+    )
+    paper = get_mask_model(tiny_llama(), MaskConfig(prior="wanda", **PAPER_MASK_CONFIG), calibration_data=ids)
+    assert paper.mask_config.wanda_strength == 0.0
+    assert get_mask_model(tiny_llama(), MaskConfig(prior="magnitude")).mask_config.wanda_strength == 0.0
+    assert get_mask_model(tiny_llama(), MaskConfig()).mask_config.wanda_strength == 0.0  # no prior
+    with pytest.raises(ConfigError, match="calibration_data="):
+        get_mask_model(tiny_llama(), MaskConfig(prior="magnitude", wanda_strength=2.0))
+    with pytest.raises(ConfigError, match="prior is None"):
+        get_mask_model(tiny_llama(), MaskConfig(wanda_strength=2.0), calibration_data=ids)
+    ordered.save_pretrained(tmp_path / "mask")
+    assert MaskConfig.from_pretrained(tmp_path / "mask").wanda_strength == 4.0
+    plain.save_pretrained(
+        tmp_path / "plain"
+    )  # the value older files mean: left out, so older versions read it
+    assert "wanda_strength" not in (tmp_path / "plain" / "mask_config.json").read_text()
+    assert MaskConfig.from_pretrained(tmp_path / "plain").wanda_strength == 0.0
