@@ -205,9 +205,8 @@ class MaskConfig:
                 raise ConfigError(f"`{name}` must be a finite number >= {low}, got {value!r}.")
         for name in ("wanda_strength", "lm_weight", "distill_logits", "distill_hidden"):
             value = getattr(self, name)
-            if (
-                name in ("wanda_strength", "distill_logits") and value is None
-            ):  # filled in when the mask is added
+            # None: filled in when the mask is added (resolve_wanda_strength, resolve_objective)
+            if name in ("wanda_strength", "distill_logits") and value is None:
                 continue
             if not _is_number(value) or not (value >= 0) or value == float("inf"):
                 raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}.")

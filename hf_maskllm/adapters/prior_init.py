@@ -17,6 +17,7 @@ from ..errors import ConfigError, MaskFileError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns, mask_to_indices
 from ..priors.calibration import PRIOR_METHODS, compute_prior_masks
+from ..priors.wanda import input_norms
 from ..serialization import resolve_folder
 from .config import CONFIG_NAME, MaskConfig
 from .mask_file import MASKS_NAME, load_mask_config, read_masks
@@ -189,9 +190,8 @@ def wanda_order(
     out[losers, lead_idx[losers]] = best[losers] + 1e-4
     out = out.to(logits.dtype)
     losers = out.float().argmax(dim=1) != lead_idx
-    if bool(
-        losers.any()
-    ):  # rounding to 16 bits tied the lift: the next representable value above the maximum
+    # Rounding to 16 bits can tie the lift: there, the next representable value above the maximum.
+    if bool(losers.any()):
         row = out[losers].float()
         top = row.max(dim=1).values
         row[torch.arange(row.shape[0], device=row.device), lead_idx[losers]] = torch.nextafter(
@@ -206,8 +206,6 @@ def wanda_order_norms(
 ) -> dict[str, torch.Tensor]:
     """The input norms ``wanda_order`` needs: ``{layer: ||X_j||}`` of ``targets`` over the calibration data,
     in one pass of the (dense) ``model``."""
-    from ..priors.wanda import input_norms
-
     tokens = _calibration_tokens(config, "wanda", data, tokenizer)
     return input_norms(model, targets, tokens)
 

@@ -9,8 +9,9 @@ between: a value below the normal range becomes 0, every other value is bitwise 
 formula gives. ``W * mask`` goes further: an entry below ``MASKED_WEIGHT_FLOOR`` (2**-64) becomes 0,
 because the matmuls multiply every entry by activations or gradients, and from an entry just above
 the normal range those products are denormal. Midway through the schedule, where many
-probabilities lie between 1e-38 and 1e-20, they made a CPU training step about 25% slower. ``torch.set_flush_denormal`` is not used: it is per thread (intra-op worker threads
-keep their own setting) and global for the user's process.
+probabilities lie between 1e-38 and 1e-20, they made a CPU training step about 25% slower.
+``torch.set_flush_denormal`` is not used: it is per thread (intra-op worker threads keep their own
+setting) and global for the user's process.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class _MaskedWeightProduct(torch.autograd.Function):
 
 
 def masked_weight_product(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``weight * mask`` for autograd (the eager masked weight), entries below ``MASKED_WEIGHT_FLOOR`` set to 0.
+    """``weight * mask`` for autograd (the eager masked weight), entries below ``MASKED_WEIGHT_FLOOR`` 0.
 
     The mask's gradient is the plain product's (``grad * W``: a value that underflows does not stop
     the logits from learning). float16 weights multiply plainly: their own normal range ends far
