@@ -42,6 +42,8 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
         "0.5",
         "--prior-strength",
         "2.5",
+        "--wanda-strength",
+        "2",
         "--init-std",
         "0.02",
         "--kappa",
@@ -78,6 +80,7 @@ def test_main_job_on_smollm2(main_job):
         saved_config["tau"] == [3.0, 0.5] and saved_config["prior_strength"] == 2.5
     )  # --tau, --prior-strength
     assert saved_config["init_std"] == 0.02 and saved_config["kappa"] == [50.0, 400.0]  # --init-std, --kappa
+    assert saved_config["wanda_strength"] == 2.0  # --wanda-strength: calibrated on the training text
     lrs = [h["learning_rate"] for h in results["log_history"] if "learning_rate" in h]
     # --lr-schedule cosine, the paper's decay from 5e-4 to 5e-5: the second of two steps runs at the midpoint
     assert lrs and lrs[-1] == pytest.approx(5e-5 + (5e-4 - 5e-5) / 2)
