@@ -27,6 +27,7 @@ __all__ = [
     "TORCH_DTYPES",
     "apply_prior_rule",
     "initial_logits",
+    "keep_lead",
     "prior_logits",
     "prior_masks",
     "random_logits",
@@ -86,19 +87,21 @@ def prior_logits(
         out += alpha * std * (overlap - n / 2)
     if len(masks) > 1:
         return out.to(logits.dtype)
-    prior_idx = prior_idx[0]
-    lead = out.gather(1, prior_idx[:, None]).squeeze(1)
+    return keep_lead(out, prior_idx[0], max(float(std) * 1e-3, 1e-6), logits.dtype)
+
+
+def keep_lead(out: torch.Tensor, lead_idx: torch.Tensor, margin: float, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (float32 ``[G, C]``) in ``dtype`` with candidate ``lead_idx`` the argmax of every group: where
+    another candidate reaches it, its logit is raised ``margin`` above the group's maximum, and where rounding
+    to a 16-bit ``dtype`` then ties or reorders them, to the next representable value above it."""
     best = out.max(dim=1).values
-    losers = out.argmax(dim=1) != prior_idx
-    margin = max(float(std) * 1e-3, 1e-6)
-    out[losers, prior_idx[losers]] = torch.maximum(lead[losers], best[losers]) + margin
-    out = out.to(logits.dtype)
-    # Rounding to bf16 / fp16 can tie or reorder close logits: lift those prior logits to the next
-    # representable value above their group's maximum.
-    losers = out.argmax(dim=1) != prior_idx
+    losers = out.argmax(dim=1) != lead_idx
+    out[losers, lead_idx[losers]] = best[losers] + margin
+    out = out.to(dtype)
+    losers = out.argmax(dim=1) != lead_idx
     if bool(losers.any()):
         best = out[losers].max(dim=1).values
-        out[losers, prior_idx[losers]] = torch.nextafter(best, torch.full_like(best, float("inf")))
+        out[losers, lead_idx[losers]] = torch.nextafter(best, torch.full_like(best, float("inf")))
     return out
 
 
@@ -184,21 +187,7 @@ def wanda_order(
     energy = (weight.float() * norms.to(weight.device).float()[None]).pow(2).reshape(-1, m).to(logits.device)
     log_error = (energy @ (1 - cand).t() + 1e-30).log()  # [G, C]; 1e-30: an all-zero group ties
     term = -(log_error - log_error.mean(dim=1, keepdim=True)).clamp(-WANDA_ORDER_CLIP, WANDA_ORDER_CLIP)
-    out = logits.float() + beta * init_std * term
-    best = out.max(dim=1).values
-    losers = out.argmax(dim=1) != lead_idx
-    out[losers, lead_idx[losers]] = best[losers] + 1e-4
-    out = out.to(logits.dtype)
-    losers = out.float().argmax(dim=1) != lead_idx
-    # Rounding to 16 bits can tie the lift: there, the next representable value above the maximum.
-    if bool(losers.any()):
-        row = out[losers].float()
-        top = row.max(dim=1).values
-        row[torch.arange(row.shape[0], device=row.device), lead_idx[losers]] = torch.nextafter(
-            top.to(out.dtype), torch.tensor(float("inf"), dtype=out.dtype, device=out.device)
-        ).float()
-        out[losers] = row.to(out.dtype)
-    return out
+    return keep_lead(logits.float() + beta * init_std * term, lead_idx, 1e-4, logits.dtype)
 
 
 def wanda_order_norms(
