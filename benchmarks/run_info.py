@@ -23,6 +23,8 @@ KERNEL_FLAGS = (
     "avx512bw",
     "avx512vl",
     "avx512_bf16",
+    "avx512_vnni",
+    "avx512vbmi",
     "avx512_vbmi2",
     "amx_bf16",
 )

@@ -10,7 +10,8 @@ probabilities (less memory: compare the peak RSS lines).
 Its cost must not depend on where the run is in its schedule: at a low temperature most
 probabilities underflow, and unflushed denormal floats made CPU steps 5-12x slower. So the masked
 step is timed at several points of the paper's schedule (tau 4 -> 0.05 with kappa 100 -> 500
-linearly alongside; logits from a magnitude prior at the default strength, spread as in a trained
+linearly alongside, and the regulariser's weight decaying to 0, as the model's schedule sets them at
+that point of a run; logits from a magnitude prior at the default strength, spread as in a trained
 run), each interleaved with the dense step in the same process (``--repeats`` rounds, medians).
 Then a real ``learn_mask`` run of ``--run-steps`` steps on the embedded Wikipedia text (from the
 same prior; its schedule annealed from start to end over those steps) gives the mean and last steps
@@ -83,11 +84,11 @@ def load_model(name: str):
     raise SystemExit(f"unknown --model {name!r}; use smollm2, gemma3 or llama-1b")
 
 
-def kappa_at(tau: float, config) -> float:
-    """The kappa that the config's linear schedules pair with ``tau``."""
-    (tau0, tau1), (kappa0, kappa1) = config.tau, config.kappa
-    progress = (tau0 - tau) / (tau0 - tau1)
-    return kappa0 + (kappa1 - kappa0) * progress
+def progress_at(tau: float, config) -> float:
+    """The training progress at which the config's (linear) tau schedule reaches ``tau``; the schedule itself
+    (``MaskModel.set_schedule_progress``) then sets tau, kappa and the regulariser's weight there, as in a run."""
+    tau0, tau1 = config.tau
+    return (tau0 - tau) / (tau0 - tau1)
 
 
 class StepTimer:
@@ -186,7 +187,7 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
 
         taus = schedule_points(args.taus, config)
         for tau in taus[:1] + taus[-1:]:  # warm-up, compilation
-            mask_model.set_schedule_values(tau, kappa_at(tau, config), config.sparse_reg)
+            mask_model.set_schedule_progress(progress_at(tau, config))
             masked_step()
             log(f"{mode}: warm-up step at tau {tau:g} done")
         dense_in_place()
@@ -195,12 +196,13 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
         for _ in range(args.repeats):  # interleaved: dense, then every point of the schedule
             for tau in taus:
                 dense.append(timed(dense_in_place))
-                mask_model.set_schedule_values(tau, kappa_at(tau, config), config.sparse_reg)
+                mask_model.set_schedule_progress(progress_at(tau, config))
                 points[tau].append(timed(masked_step))
                 log(f"{mode}: tau {tau:g}: dense {dense[-1]:.2f} s, masked {points[tau][-1]:.2f} s")
         result["dense"] = dense
         result["points"] = [
-            {"tau": tau, "kappa": kappa_at(tau, config), "seconds": runs} for tau, runs in points.items()
+            {"tau": tau, "kappa": _schedule_at(mask_model, tau, config)["kappa"], "seconds": runs}
+            for tau, runs in points.items()
         ]
         sizes = training_state_bytes(mask_model, optimizer)
         masked = sum(layer.out_features * layer.in_features for layer in mask_model.masked_layers().values())
@@ -218,6 +220,12 @@ def child(mode: str, batch: int, seqlen: int, args) -> dict:
     if torch.device(device).type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
+
+
+def _schedule_at(mask_model, tau: float, config) -> dict:
+    from hf_maskllm.adapters.schedule import annealed_values
+
+    return annealed_values(config, progress_at(tau, config))
 
 
 def schedule_points(taus: str, config) -> list[float]:

@@ -6,8 +6,6 @@ Public API::
     from hf_maskllm import merge_checkpoint, save_compressed
 """
 
-__version__ = "0.1.0"  # before the imports: submodules read it
-
 from .adapters import (
     MaskAnnealCallback,
     MaskConfig,
@@ -21,6 +19,7 @@ from .errors import MaskLLMError
 from .optim import MaskAdamW
 from .sparse import SparseLinear, save_compressed  # registers the compressed format with transformers
 from .training_args import MaskTrainingArguments
+from .version import __version__
 
 __all__ = [
     "MaskAdamW",

@@ -325,9 +325,9 @@ CASES = [
     ),
     Case(
         "checkpoint-future-format-version",
-        lambda t, r: _edit_quant(t, lambda q: q.update(format_version=2)),
+        lambda t, r: _edit_quant(t, lambda q: q.update(format_version=3)),
         CheckpointError,
-        r"format version 2",
+        r"format version 3",
         r"Upgrade hf_maskllm \(`pip install -U hf_maskllm`\)",
     ),
     # --- NaN / inf

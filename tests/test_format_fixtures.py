@@ -348,3 +348,139 @@ def test_checkpoint_resave_round_trip(name, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     _assert_sparse_layers(again, meta, weights, dtype)
     assert torch.equal(_forward(again, expected["input_ids"]), _forward(model, expected["input_ids"]))
+
+
+# ------------------------------------------------------------------------------------------- version 2
+# Compressed checkpoints with int8 / int4 kept values (``tests/fixtures/format_v2/``, written by
+# ``make_format_fixtures.py --format-version 2``). The dequantized weights are derived here, independently
+# of the library: the base weight times the mask, then round-to-nearest in float64 per row and per
+# ``group_size`` kept values (scale = float16(absmax / qmax), code = round(value / scale) clamped).
+FIXTURES_V2 = Path(__file__).parent / "fixtures" / "format_v2"
+# name: (base model factory, dtype, n, m, values, group size, check_nm targets)
+QUANTIZED = {
+    "llama_merged_int8": (llama, torch.float32, 2, 4, "int8", 16, "all-linear"),
+    "llama_merged_int4_bf16": (llama, torch.bfloat16, 2, 4, "int4", 8, ATTENTION),
+    "gpt2_merged_4of8_int4": (gpt2, torch.bfloat16, 4, 8, "int4", 16, "all-linear"),
+}
+
+
+def _expected_v2(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, raw = _read(FIXTURES_V2 / f"{name}.expected.safetensors")
+    meta = {}
+    for key, value in raw.items():
+        try:
+            meta[key] = json.loads(value)
+        except json.JSONDecodeError:
+            meta[key] = value
+    return tensors, meta
+
+
+def _rtn_dense(
+    dense: torch.Tensor, mask: torch.Tensor, n: int, m: int, values: str, group: int
+) -> torch.Tensor:
+    """float64 ``[out, in]``: ``dense * mask`` with its kept values quantized by round-to-nearest."""
+    top = 127 if values == "int8" else 7
+    w = dense.double() * mask.double()
+    out = torch.zeros_like(w)
+    for r in range(w.shape[0]):
+        kept: list[int] = []  # the stored positions: the mask's, padded with the lowest others to n
+        for g in range(0, w.shape[1], m):
+            cols = [c for c in range(g, g + m) if mask[r, c]]
+            cols += [c for c in range(g, g + m) if not mask[r, c]][: n - len(cols)]
+            kept += sorted(cols)
+        for i in range(0, len(kept), group):
+            idx = kept[i : i + group]
+            scale = torch.tensor(float(w[r, idx].abs().max()) / top, dtype=torch.float32).half()
+            if float(scale) > 0:
+                q = torch.round(w[r, idx].float() / scale.float()).clamp(-top, top)
+                out[r, idx] = q.double() * float(scale)
+    return out + 0.0  # -0.0 (a code rounded to zero from below) as the library's +0.0
+
+
+def _expected_quantized_weights(name: str) -> tuple[dict, dict, dict[str, torch.Tensor], torch.nn.Module]:
+    factory, dtype, n, m, values, group, targets = QUANTIZED[name]
+    expected, meta = _expected_v2(name)
+    assert (meta["n"], meta["m"], meta["dtype"], meta["values"], meta["group_size"]) == (
+        n, m, str(dtype), values, group,
+    )  # fmt: skip
+    v1_masks, _ = _expected("gpt2_mask_4of8") if name.startswith("gpt2") else (expected, None)
+    base = factory().to(dtype)
+    weights = {}
+    for module_name in meta["modules"]:
+        module = base.get_submodule(module_name)
+        dense = module.weight.detach().t() if isinstance(module, Conv1D) else module.weight.detach()
+        mask = v1_masks[f"mask.{module_name}"].bool()
+        if "mask_sha256" in meta:
+            assert _sha256(mask.to(torch.uint8)) == meta["mask_sha256"][module_name], module_name
+        derived = _rtn_dense(dense, mask, n, m, values, group).float()
+        if f"weight.{module_name}" in expected:
+            assert torch.equal(expected[f"weight.{module_name}"], derived), module_name
+        else:
+            assert _sha256(derived) == meta["weight_sha256"][module_name], module_name
+        weights[module_name] = derived
+    return expected, meta, weights, base
+
+
+def test_v2_fixture_files_are_the_committed_ones():
+    manifest = json.loads((FIXTURES_V2 / "MANIFEST.json").read_text())
+    assert manifest["format_version"] == 2
+    on_disk = sorted(str(p.relative_to(FIXTURES_V2)) for p in FIXTURES_V2.rglob("*") if p.is_file())
+    assert on_disk == sorted([*manifest["files"], "MANIFEST.json"])
+    for rel, digest in manifest["files"].items():
+        assert hashlib.sha256((FIXTURES_V2 / rel).read_bytes()).hexdigest() == digest, (
+            f"{rel} changed: the fixtures are frozen; restore them with git (never regenerate them)."
+        )
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_checkpoint_loads_exactly(name):
+    from hf_maskllm.sparse import QuantizedSparseLinear
+
+    _, dtype, n, m, values, group, targets = QUANTIZED[name]
+    expected, meta, weights, base = _expected_quantized_weights(name)
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES_V2 / name)
+    assert model.dtype == dtype
+    layers = {k: mod for k, mod in model.named_modules() if isinstance(mod, QuantizedSparseLinear)}
+    assert list(layers) == meta["modules"]
+    for module_name, layer in layers.items():
+        assert (layer.n, layer.m, layer.value_type, layer.group_size) == (n, m, values, group), module_name
+        assert layer.scales.dtype == torch.float16 and layer.meta.dtype == torch.uint8
+        assert torch.equal(layer.dense_weight(torch.float32), weights[module_name]), module_name
+    report = check_nm(model, n=n, m=m, target_modules=targets)
+    assert report.ok and {report.values[k] for k in layers} == {f"{values}, {group} per scale"}
+    # the compressed layers' forward may take another route (a kernel summing in another order)
+    torch.testing.assert_close(_forward(model, expected["input_ids"]), expected["logits"])
+
+    plain = model.dequantize()  # the dense model: dequantized weights in the model's dtype
+    state, base_state = plain.state_dict(), base.state_dict()
+    assert sorted(state) == sorted(base_state)
+    for key, tensor in state.items():
+        module_name, _, leaf = key.rpartition(".")
+        if module_name in weights and leaf == "weight":
+            module = base.get_submodule(module_name)
+            want = weights[module_name].t() if isinstance(module, Conv1D) else weights[module_name]
+            want = want.to(dtype)
+        else:
+            want = base_state[key]
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want), key
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_checkpoint_resave_round_trip(name, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES_V2 / name)
+    model.save_pretrained(tmp_path)
+    (t1, m1), (t2, m2) = (
+        _read(tmp_path / "model.safetensors"),
+        _read(FIXTURES_V2 / name / "model.safetensors"),
+    )
+    assert sorted(t1) == sorted(t2) and all(torch.equal(t1[k], t2[k]) for k in t1)
+    assert json.loads(m1["hf_maskllm_crc32"]) == json.loads(m2["hf_maskllm_crc32"])
+    q1, q2 = (
+        json.loads((f / "config.json").read_text())["quantization_config"]
+        for f in (tmp_path, FIXTURES_V2 / name)
+    )
+    q1.pop("hf_maskllm_version"), q2.pop("hf_maskllm_version")
+    assert q1 == q2 and q1["format_version"] == 2
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = _expected_v2(name)[0]["input_ids"]
+    assert torch.equal(_forward(again, ids), _forward(model, ids))

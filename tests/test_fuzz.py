@@ -41,7 +41,7 @@ from hf_maskllm.adapters.config import CONFIG_NAME
 from hf_maskllm.adapters.mask_file import LOGITS_NAME, MASKS_NAME
 from hf_maskllm.adapters.packing import pack_indices, packed_nbytes, unpack_indices
 from hf_maskllm.patterns import candidate_patterns, indices_to_mask, mask_to_indices
-from hf_maskllm.sparse import SparseLinear, compress, decompress, validate
+from hf_maskllm.sparse import QuantizedSparseLinear, SparseLinear, compress, decompress, validate
 from hf_maskllm.sparse.checkpoint import write_checkpoint_file
 from hf_maskllm.sparse.format import _pack_positions, meta_bits, unpack_positions
 
@@ -138,7 +138,7 @@ TENSOR_OPS = [
     "nan",
 ]
 STRUCTURE_OPS = {"delete", "extra", "reshape", "meta_same_positions", "meta_out_of_range"}
-FORMAT_TENSORS = (".mask", ".shape", ".values", ".meta")  # whose every value the loaders check
+FORMAT_TENSORS = (".mask", ".shape", ".values", ".meta", ".scales")  # whose every value the loaders check
 JSON_VALUES = [
     None,
     True,
@@ -509,6 +509,8 @@ CKPT_JSON_OPS = [
     "field:n",
     "field:m",
     "field:format_version",
+    "field:values",
+    "field:group_size",
     "field:modules",
     "field:to_dict",
     "delete",
@@ -531,11 +533,14 @@ class CheckpointCorpus:
     sparse: list[str]
 
 
-def _checkpoint_corpus(folder: Path, model: torch.nn.Module, n: int, m: int) -> CheckpointCorpus:
+COMPRESSED = (SparseLinear, QuantizedSparseLinear)
+
+
+def _checkpoint_corpus(folder: Path, model: torch.nn.Module, n: int, m: int, **values) -> CheckpointCorpus:
     mm = get_mask_model(model, MaskConfig(n=n, m=m, prior="magnitude"))
-    mm.save_pretrained(folder, merged=True)  # the merged export path
+    mm.save_pretrained(folder, merged=True, **values)  # the merged export path
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    sparse = [name for name, mod in reference.named_modules() if isinstance(mod, SparseLinear)]
+    sparse = [name for name, mod in reference.named_modules() if isinstance(mod, COMPRESSED)]
     assert sorted(sparse) == sorted(mm.masked_names)
     files = {name: (folder / name).read_bytes() for name in CKPT_FILES}
     return CheckpointCorpus(files, {k: v.clone() for k, v in reference.state_dict().items()}, sparse)
@@ -548,6 +553,10 @@ def checkpoint_corpora(tmp_path_factory) -> dict[str, CheckpointCorpus]:
         "2:4 untied": _checkpoint_corpus(root / "a", tiny_llama(hidden=16, intermediate=32), 2, 4),
         # m = 6 stores 3-bit positions: 6 and 7 are out of range, which the loader must catch
         "3:6 tied": _checkpoint_corpus(root / "b", _tied_for_m6(), 3, 6),
+        # format version 2: int4 codes (any byte is a valid pair of codes) with float16 scales
+        "2:4 int4": _checkpoint_corpus(
+            root / "c", tiny_llama(hidden=16, intermediate=32), 2, 4, values="int4", group_size=4
+        ),
     }
 
 
@@ -583,7 +592,7 @@ def check_checkpoint(corpus: CheckpointCorpus, folder: Path, c: Corruption, stat
     assert state.keys() == corpus.state.keys(), c
     for key, value in state.items():
         assert value.dtype == corpus.state[key].dtype and torch.equal(value, corpus.state[key]), (c, key)
-    assert sorted(name for name, mod in loaded.named_modules() if isinstance(mod, SparseLinear)) == sorted(
+    assert sorted(name for name, mod in loaded.named_modules() if isinstance(mod, COMPRESSED)) == sorted(
         corpus.sparse
     )
     stats["loaded"] += 1
@@ -599,7 +608,7 @@ def rewrite_checkpoint_file(tensors: dict[str, torch.Tensor], metadata: dict[str
         return path.read_bytes()
 
 
-@pytest.mark.parametrize("corpus", ["2:4 untied", "3:6 tied"])
+@pytest.mark.parametrize("corpus", ["2:4 untied", "3:6 tied", "2:4 int4"])
 def test_fuzz_compressed_checkpoint_files(checkpoint_corpora, tmp_path, corpus):
     stats: Counter = Counter()
     examples = CKPT_FILE_EXAMPLES // 2
@@ -616,7 +625,7 @@ def test_fuzz_compressed_checkpoint_files(checkpoint_corpora, tmp_path, corpus):
     assert stats["error"] > examples // 2, stats
 
 
-@pytest.mark.parametrize("corpus", ["2:4 untied", "3:6 tied"])
+@pytest.mark.parametrize("corpus", ["2:4 untied", "3:6 tied", "2:4 int4"])
 def test_fuzz_compressed_checkpoint_config(checkpoint_corpora, tmp_path, corpus):
     stats: Counter = Counter()
     examples = CKPT_CONFIG_EXAMPLES // 2

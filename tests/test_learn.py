@@ -171,4 +171,4 @@ def test_learn_mask_refuses_two_callbacks_or_a_contradicting_compile_sampling(tm
     with pytest.raises(ConfigError, match=contradiction):
         learn_mask(mm, data, max_steps=1, output_dir=str(tmp_path), compile_sampling=False,
                    callbacks=[MaskAnnealCallback(compile_sampling=True)])  # fmt: skip
-    assert mm.schedule.last_reg_loss is None and not mm.schedule.driven  # refused before any training
+    assert mm.last_losses == {} and not mm.schedule.driven  # refused before any training

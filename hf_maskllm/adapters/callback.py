@@ -1,7 +1,10 @@
 """``MaskAnnealCallback``: anneals tau and kappa, decays the regulariser, logs mask statistics.
 
-Everything it sets is a function of ``state.global_step / state.max_steps``, so a run resumed
-with ``resume_from_checkpoint`` continues on exactly the same schedule.
+Every step it hands ``state.global_step / state.max_steps`` to the model's schedule
+(:meth:`MaskSchedule.set_progress <hf_maskllm.adapters.schedule.MaskSchedule.set_progress>`), which computes
+tau, kappa and the regulariser's weight from it: a run resumed with ``resume_from_checkpoint`` continues on
+exactly the same schedule. It keeps no copy of them: it logs what the schedule holds, and the losses the
+model's last training forward computed (``MaskModel.last_losses``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from ..patterns import candidate_patterns
 from ..training_args import recipe_departures
 from .model import MaskModel
 from .objective import teacher_autocast
-from .schedule import schedule_value
 
 __all__ = ["MaskAnnealCallback", "find_mask_model"]
 
@@ -184,8 +186,6 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         self._previous_compiled: bool | None = None
         self._compiled_stats = False
         self._hamming_table: torch.Tensor | None = None
-        self.tau: float | None = None
-        self.kappa: float | None = None
         self.last_flip_rate: float | None = None
         self.last_max_prob: float | None = None
         self._flip_rate_to_log: float | None = None
@@ -206,12 +206,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         }
 
     # ------------------------------------------------------------------ schedule
-    def _apply(self, mask_model: MaskModel, global_step: int, max_steps: int) -> None:
-        cfg = mask_model.mask_config
-        progress = global_step / max_steps if max_steps and max_steps > 0 else 0.0
-        self.tau = schedule_value(cfg.tau[0], cfg.tau[1], progress, cfg.tau_schedule)
-        self.kappa = schedule_value(cfg.kappa[0], cfg.kappa[1], progress, cfg.kappa_schedule)
-        mask_model.set_schedule_values(self.tau, self.kappa, cfg.sparse_reg * max(0.0, 1.0 - progress))
+    @staticmethod
+    def _apply(mask_model: MaskModel, global_step: int, max_steps: int) -> None:
+        mask_model.set_schedule_progress(global_step / max_steps if max_steps and max_steps > 0 else 0.0)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Before the Trainer builds its optimizer or wraps the model: the fast layout of the logits,
@@ -237,10 +234,9 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         # DDP averages. The regulariser rides in that loss, so undo both to keep its weight per update fixed.
         processes = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
         mask_model.schedule.update(
-            reg_divisor=max(1, int(args.gradient_accumulation_steps)) * max(1, processes),
-            last_reg_loss=None,
-            last_objective_terms=None,
+            reg_divisor=max(1, int(args.gradient_accumulation_steps)) * max(1, processes)
         )
+        mask_model.last_losses = {}
         self._apply(mask_model, state.global_step, state.max_steps)
         self._previous, self._held_peak = {}, 0
         if self.log_mask_stats and _logs_next_step(args, state):
@@ -345,7 +341,7 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
             previous = self._previous.get(name) if logged else None
             if previous is not None and previous.shape[0] != logits.shape[0]:
                 previous = None
-            kappa = float(self.kappa or cfg.kappa[0])
+            kappa = float(mask_model.schedule.kappa)
             prob = flips = None
             if self._compiled_stats and logits.shape[1] <= 255:
                 current, flips, prob = _compiled_indices_and_flips(
@@ -392,23 +388,22 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         if logs is None:
             return
         extra: dict[str, float] = {}
-        if self.tau is not None:
-            extra["tau"] = round(self.tau, 6)
-            extra["kappa"] = round(self.kappa, 4)
+        model = kwargs.get("model")
+        mask_model = find_mask_model(model) if model is not None else None
+        schedule = None if mask_model is None else mask_model.schedule
+        if schedule is not None and schedule.progress is not None:  # what the layers read
+            extra["tau"] = round(schedule.tau, 6)
+            extra["kappa"] = round(schedule.kappa, 4)
         if self._flip_rate_to_log is not None:
             extra["mask_flip_rate"] = self._flip_rate_to_log
             self._flip_rate_to_log = None
         if self.last_max_prob is not None:
             extra["mask_max_prob"] = self.last_max_prob
-        model = kwargs.get("model")
-        schedule = find_mask_model(model).schedule if model is not None else None
-        if schedule is not None and "loss" in logs:
+        if mask_model is not None and "loss" in logs:
             # The regulariser's and the distillation terms' values (last micro-batch); their gradients
             # train the logits, while `loss` stays the language-model loss that runs can be compared by.
-            if schedule.last_reg_loss is not None:
-                extra["sparse_reg_loss"] = float(schedule.last_reg_loss)
-            for name, term in (schedule.last_objective_terms or {}).items():
-                extra[f"{name}_loss"] = float(term)
+            for name, value in mask_model.last_losses.items():
+                extra[name] = float(value)
         logs.update(extra)
         # Trainer appended its record to log_history before calling callbacks: keep them consistent.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -431,8 +426,8 @@ class MaskAnnealCallback(TrainerCallback, ExportableState):
         summary.update(
             {
                 "optimizer_steps": int(state.global_step),
-                "final_tau": self.tau,
-                "final_kappa": self.kappa,
+                "final_tau": mask_model.schedule.tau,
+                "final_kappa": mask_model.schedule.kappa,
             }
         )
         if self.last_flip_rate is not None:

@@ -15,6 +15,7 @@ from ..hub import is_hub_repo_id
 from ..patterns import check_nm_args, num_candidates
 from ..priors.calibration import PRIOR_METHODS
 from ..serialization import load_json, resolve_folder, save_json
+from ..version import __version__
 
 __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "PAPER_MASK_CONFIG", "MaskConfig"]
 
@@ -329,8 +330,6 @@ class MaskConfig:
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write ``mask_config.json`` (atomically) into ``save_directory``."""
-        from .. import __version__
-
         data = self.to_dict()
         for name in ADDED_FIELDS:  # at the paper's values, left out: older hf_maskllm versions read the file
             if data[name] == ADDED_DEFAULTS[name]:

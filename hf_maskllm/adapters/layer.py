@@ -68,9 +68,10 @@ class _Buffers(nn.Module):
 class MaskedLinear(nn.Module):
     """Wraps a frozen ``nn.Linear`` / ``Conv1D`` and masks its weight with learnable N:M logits.
 
-    Each mask's logits have shape ``[out * in / m, C(m, n)]``. Forward, with the active mask, in this
-    order: training -> a soft Gumbel sample (new every call) at the schedule's tau and kappa;
-    evaluation -> the hard argmax mask, cached until the logits change.
+    Each mask's logits have shape ``[out * in / m, C(m, n)]``. Forward, in this order: masks disabled
+    (the schedule's ``masks_disabled``) -> the base layer alone; training -> a soft Gumbel sample of the
+    active mask (new every call) at the schedule's tau and kappa; evaluation -> the active mask's hard
+    argmax mask, cached until the logits change.
 
     Args:
         base_layer: The ``nn.Linear`` or ``Conv1D`` to mask; its weight and bias are frozen.
@@ -289,6 +290,8 @@ class MaskedLinear(nn.Module):
         return weight * self.hard_mask().to(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.schedule.masks_disabled:  # the unmasked model's pass: the base layer alone, no mask
+            return self.base_layer(x)
         bias = getattr(self.base_layer, "bias", None)
         if not self.training:
             return F.linear(x, self.masked_weight(), bias)

@@ -13,6 +13,8 @@ training or to seed a new run, with a ``crc32`` per layer of the same kind.
 
 Writers verify the N:M invariant before writing (every index in ``[0, C(m, n))``, one per group);
 readers verify it after reading (chunk range, padding, checksums), so a loaded mask is exactly N:M.
+The one reader of every mask source (``mask_source.py``) reads a folder through :func:`open_packed_masks`
+and :func:`unpack_layer`, one layer at a time.
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ __all__ = [
     "load_mask_config",
     "open_packed_masks",
     "read_logits",
-    "read_masks",
-    "read_packed_masks",
     "unpack_layer",
     "write_logits",
     "write_masks",
@@ -144,23 +144,6 @@ def _check_header(path: Path, metadata: dict[str, str], n: int, m: int) -> None:
             f"{path} holds {file_n}:{file_m} masks but {n}:{m} was expected; use a MaskConfig with "
             f"n={file_n}, m={file_m}, or a mask saved for {n}:{m}."
         )
-
-
-def read_masks(
-    path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and validate packed masks for exactly the layers in ``shapes``; returns indices and summary."""
-    _, indices, summary = read_packed_masks(path, shapes, n, m)
-    return indices, summary
-
-
-def read_packed_masks(
-    path: Path, shapes: dict[str, tuple[int, int]], n: int, m: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """:func:`read_masks` that also returns the validated packed bytes per layer (uint8, as stored)."""
-    packed, summary = open_packed_masks(path, shapes, n, m)
-    indices = {name: unpack_layer(path, name, packed[name], shape, n, m) for name, shape in shapes.items()}
-    return packed, indices, summary
 
 
 def open_packed_masks(

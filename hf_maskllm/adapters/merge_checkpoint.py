@@ -20,15 +20,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import indices_to_mask
 from ..serialization import atomic_folder, resolve_folder
 from ..sparse.checkpoint import compressed_config, write_checkpoint_file, write_index, write_model_card
-from ..sparse.format import compress
+from ..sparse.format import check_group_size, compress, pack_codes
+from ..sparse.int8_embedding import EMBEDDING_TYPES, int8_embedding_keys, quantize_rows
+from ..sparse.quantize import quantize_rtn, resolve_values
 from .card import merged_card_fields
 from .config import MaskConfig
-from .save_and_load import LayerMasks, resolve_mask_source, source_targets
+from .mask_source import LayerMasks, open_mask_source, source_targets, warn_other_base_model
 
 __all__ = ["merge_checkpoint"]
 
@@ -60,33 +62,56 @@ def merge_checkpoint(
     mask_subfolder: str | None = None,
     max_shard_size: int | str = "2GB",
     progress: bool = True,
+    values: str | None = None,
+    group_size: int | None = None,
+    embedding: str | None = None,
 ) -> list[str]:
     """Apply a saved mask to a dense safetensors checkpoint and write the compressed N:M checkpoint.
 
     ``model_name_or_path``: a folder or Hub repo id holding ``config.json`` and ``model.safetensors``
     (or shards with ``model.safetensors.index.json``); ``mask``: a saved mask (hf_maskllm folder, the
-    MaskLLM reference's ``mask_compressed.npz``, or a Hub repo of either; ``config`` as for
-    :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype; the output files hold at most
+    MaskLLM reference's ``mask_compressed.npz``, PATCH's ``mask.npz``, or a Hub repo of any; ``config`` as
+    for :meth:`MaskModel.from_pretrained`). The weights keep the checkpoint's dtype; the output files hold at most
     ``max_shard_size`` bytes each, which with one input tensor at a time bounds the memory the merge
     needs (about one output file and the packed mask, plus the input file's pages the system keeps
     cached). The tokenizer's files
     and ``generation_config.json`` are copied. The folder is built beside ``save_directory`` and swapped
     in at once. ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads it after
     ``import hf_maskllm``. Returns the names of the compressed layers.
+
+    ``values="int8"`` / ``"int4"`` stores the kept values quantized by round-to-nearest, one float16 scale
+    per ``group_size`` kept values (default 32; format version 2), one layer at a time; the default
+    keeps the checkpoint's dtype (version 1). ``embedding="int8"`` stores the output layer (tied: the input
+    embedding, once) as int8 with one float16 scale per row (round-to-nearest; format version 2).
     """
+    if embedding not in (None, "float", *EMBEDDING_TYPES):
+        raise ConfigError(
+            f"`embedding` must be one of {list(EMBEDDING_TYPES)} or None (float), got {embedding!r}."
+        )
+    embedding = None if embedding == "float" else embedding
     base = _base_folder(model_name_or_path, revision)
     shards = _shards(base)
     skeleton = _skeleton(base)
-    source = resolve_mask_source(mask, mask_revision, mask_subfolder, config, str(model_name_or_path))
+    source = open_mask_source(mask, mask_revision, mask_subfolder, config, str(model_name_or_path))
     cfg = source.config
+    warn_other_base_model(source, str(model_name_or_path))
     targets = source_targets(skeleton, source)
     layers = {name: skeleton.get_submodule(name) for name in targets}
     shapes = {name: tuple(dense_weight_view(layer).shape) for name, layer in layers.items()}
     transposed = {name for name, layer in layers.items() if is_conv1d(layer)}
+    bits, group_size = resolve_values(values, group_size)
+    if bits is not None:  # refuse before anything is written
+        all_kept = [shapes[name][1] * cfg.n // cfg.m for name in targets]
+        for name, kept in zip(targets, all_kept, strict=True):
+            check_group_size(kept, bits, group_size, name, all_kept)
     weights = {f"{name}.weight": name for name in targets}
     _check_weights(
         base, shards, weights, {f"{name}.weight": tuple(layers[name].weight.shape) for name in targets}
     )
+    rows = int8_embedding_keys(skeleton) if embedding is not None else {}
+    kept_rows = {key: key for key, prefix in rows.items() if prefix is not None}
+    params = dict(skeleton.named_parameters())
+    _check_weights(base, shards, kept_rows, {key: tuple(params[key].shape) for key in kept_rows})
     target = Path(save_directory).expanduser().resolve()
     if target == base.resolve():
         raise CheckpointError(f"save_directory {target} is the dense checkpoint's folder; pick another one.")
@@ -107,14 +132,36 @@ def merge_checkpoint(
             item
             for shard in shards
             for item in _merged_tensors(
-                base / shard, weights, masks, shapes, transposed, cfg.n, cfg.m, sizes, bar
+                base / shard,
+                weights,
+                masks,
+                shapes,
+                transposed,
+                cfg.n,
+                cfg.m,
+                sizes,
+                bar,
+                bits,
+                group_size,
+                rows,
             )
         )
         dtypes = _write_bounded_shards(tensors, tmp, max_shard_size, sizes)
         first = next((dtypes[k] for k, _ in skeleton.named_parameters() if k in dtypes), None)
         bar.close()
         config_dict = json.loads((base / "config.json").read_text(encoding="utf-8"))
-        merged = compressed_config(config_dict, type(skeleton).__name__, first, cfg.n, cfg.m, targets)
+        value_type = None if bits is None else f"int{bits}"
+        merged = compressed_config(
+            config_dict,
+            type(skeleton).__name__,
+            first,
+            cfg.n,
+            cfg.m,
+            targets,
+            value_type,
+            group_size,
+            embedding,
+        )
         (tmp / "config.json").write_text(
             json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
@@ -123,7 +170,7 @@ def merge_checkpoint(
                 shutil.copyfile(base / file, tmp / file)
         card = merged_card_fields(cfg, masks.summary)
         write_model_card(tmp, str(model_name_or_path), type(skeleton).__name__, cfg.n, cfg.m,
-                         targets, sizes, card)  # fmt: skip
+                         targets, sizes, card, value_type, group_size, embedding)  # fmt: skip
     return targets
 
 
@@ -137,19 +184,31 @@ def _merged_tensors(
     m: int,
     sizes: dict[str, int],
     bar: tqdm,
+    bits: int | None = None,
+    group_size: int | None = None,
+    rows: dict[str, str | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of one input shard, one at a time, each masked weight replaced by its compressed pair."""
+    """The tensors of one input shard, one at a time, each masked weight replaced by its compressed pair
+    (and, with ``rows``, the output embedding by its int8 rows: ``{key: prefix, or None to drop it}``)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
             tensor = f.get_tensor(key)
+            if rows and key in rows:
+                if rows[key] is not None:
+                    try:
+                        qweight, scales = quantize_rows(tensor)
+                    except CheckpointError as e:
+                        raise CheckpointError(f"{path}: {key}: {e}") from None
+                    yield from ((f"{rows[key]}.qweight", qweight), (f"{rows[key]}.scales", scales))
+                continue
             name = weights.get(key)
             if name is None:
                 yield key, tensor
                 continue
             weight = tensor.t() if name in transposed else tensor  # [out, in]
-            mask = indices_to_mask(masks.indices(name), n, m, shapes[name])
+            mask = indices_to_mask(masks.indices(name, weight), n, m, shapes[name])
             merged = weight * mask.to(weight.dtype)
             del tensor, weight, mask
             if not bool(torch.isfinite(merged).all()):
@@ -159,11 +218,16 @@ def _merged_tensors(
                 )
             values, meta = compress(merged, n, m)
             sizes["dense"] += merged.numel() * merged.element_size()
-            sizes["compressed"] += values.numel() * values.element_size() + meta.numel()
             del merged
+            if bits is None:
+                stored = {"values": values, "meta": meta}
+            else:  # round-to-nearest, this layer only
+                codes, scales = quantize_rtn(values, bits, group_size)
+                stored = {"qvalues": pack_codes(codes, bits), "scales": scales, "meta": meta}
+                del values, codes
+            sizes["compressed"] += sum(t.numel() * t.element_size() for t in stored.values())
             bar.update(1)
-            yield f"{name}.values", values
-            yield f"{name}.meta", meta
+            yield from ((f"{name}.{leaf}", tensor) for leaf, tensor in stored.items())
 
 
 def _write_bounded_shards(

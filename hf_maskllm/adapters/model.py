@@ -25,21 +25,24 @@ from ..errors import ConfigError, MaskLLMError
 from .card import merged_card_fields
 from .config import MaskConfig
 from .layer import MaskedLinear, collect_regulariser
+from .mask_source import open_mask_source, source_targets
 from .merge import merge_layers, merged_view
 from .named_masks import NamedMasksMixin
 from .objective import (
     IGNORE_INDEX,
+    LOSS_ARGUMENTS,
     apply_objective,
     check_causal_lm,
     fused_lm_loss,
+    fuses_logit_kl,
     predicted_positions,
     teacher_pass,
 )
 from .prior_init import apply_prior_rule
-from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, resolve_mask_source, save_masks, source_targets
+from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, save_masks
 from .schedule import MaskSchedule
 from .targets import check_full_precision, find_targets
-from .wrapping import unwrapped, wrap_layers
+from .wrapping import wrap_layers
 
 __all__ = ["MaskModel"]
 
@@ -108,8 +111,10 @@ class MaskModel(NamedMasksMixin, nn.Module):
         config.validate()
         self.base_model = model
         self.schedule = MaskSchedule()
+        self.last_losses: dict[str, torch.Tensor] = {}
         self._merged = False
         self._warned_unscheduled = False
+        self._warned_dropout = False
         self._init_named_masks()
         names = (
             targets
@@ -138,9 +143,11 @@ class MaskModel(NamedMasksMixin, nn.Module):
         return signature
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the base model with the active mask; in training the sparse weight regulariser joins the
-        gradient of ``loss`` while its value stays the language-model loss (the regulariser's value is
-        ``outputs.sparse_reg_loss``)."""
+        """Run the base model with the active mask; in training the sparse weight regulariser and the
+        distillation terms join the gradient of ``loss`` while its value stays the language-model loss (their
+        values are ``outputs.sparse_reg_loss`` / ``outputs.<term>_loss``, and :attr:`last_losses`). Nothing
+        in the model changes during the call: the unmasked pass bypasses the masks by a flag the layers
+        read, and the loss is computed here, not by a replaced ``loss_function``."""
         schedule = self.schedule
         track = self.training and schedule.sparse_reg_weight > 0
         if self.training and not schedule.driven and not self._warned_unscheduled and torch.is_grad_enabled():
@@ -150,7 +157,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
                     "The masks are training without MaskAnnealCallback: tau stays at its start value "
                     f"({schedule.tau}), kappa at {schedule.kappa}, there is no sparse weight regulariser and no "
                     "mask statistics. Add callbacks=[MaskAnnealCallback()] to the Trainer (hf_maskllm.learn.learn_mask "
-                    "does), or call set_schedule_values(tau, kappa) in a custom training loop.",
+                    "does), or call set_schedule_progress(step / max_steps) in a custom training loop.",
                     stacklevel=2,
                 )
         config = self.mask_config
@@ -176,20 +183,28 @@ class MaskModel(NamedMasksMixin, nn.Module):
             if config.distill_hidden > 0:
                 kwargs = {**kwargs, "output_hidden_states": True}
             if config.distills:
+                self._warn_if_dropout()
                 teacher = teacher_pass(
                     self.base_model, self.disable_masks(), args, kwargs, bf16=schedule.teacher_bf16
                 )
-        # with the logit KL in the language-model loss's pass over the logits where the model's loss allows
-        lm_loss = fused_lm_loss(self.base_model, teacher, config) if objective else contextlib.nullcontext()
-        with collect_regulariser() as regs, lm_loss as fused:
-            outputs = self.base_model(*args, **kwargs)
+        # with the logit KL in the language-model loss's pass over the logits where the model's loss allows:
+        # the model runs without the loss arguments and the loss is computed here from its logits
+        fuse = objective and fuses_logit_kl(self.base_model, teacher, config)
+        forward_kwargs = {k: v for k, v in kwargs.items() if k not in LOSS_ARGUMENTS} if fuse else kwargs
+        with collect_regulariser() as regs:
+            outputs = self.base_model(*args, **forward_kwargs)
+        fused = None
+        if fuse:
+            outputs, fused = fused_lm_loss(outputs, teacher, config, kwargs)
+        losses: dict[str, torch.Tensor] = {}
         if objective and getattr(outputs, "loss", None) is not None:
             valid = predicted_positions(
                 kwargs["labels"], kwargs.get("shift_labels"), kwargs.get("ignore_index", IGNORE_INDEX)
             )  # the positions the language-model loss counts
             terms = apply_objective(config, outputs, teacher, valid, kwargs.get("num_items_in_batch"), fused)
-            schedule.last_objective_terms = terms  # logged by MaskAnnealCallback
+            losses.update((f"{name}_loss", value) for name, value in terms.items())
         if not track:
+            self.last_losses = losses  # logged by MaskAnnealCallback
             return outputs
         if regs and getattr(outputs, "loss", None) is not None:
             trainable = any(layer.mask_logits.requires_grad for layer in self.masked_layers().values())
@@ -211,10 +226,34 @@ class MaskModel(NamedMasksMixin, nn.Module):
             # the language-model loss, the logits' gradient includes the regulariser.
             outputs.loss = outputs.loss + (term - term.detach()).to(outputs.loss.dtype) / divisor
             outputs["sparse_reg_loss"] = term.detach()
-            schedule.last_reg_loss = outputs["sparse_reg_loss"]  # logged by MaskAnnealCallback
+            losses = {"sparse_reg_loss": outputs["sparse_reg_loss"], **losses}
+        self.last_losses = losses  # logged by MaskAnnealCallback
         return outputs
 
     forward = _ForwardWithBaseSignature()
+
+    def _warn_if_dropout(self) -> None:
+        """Once: the unmasked pass runs in the model's mode (nothing is switched during a step), so dropout
+        that is on in training reaches the distillation target too."""
+        if self._warned_dropout:
+            return
+        self._warned_dropout = True
+        active = sorted(
+            {
+                type(m).__name__
+                for m in self.base_model.modules()
+                if isinstance(m, nn.Dropout) and m.p > 0 and m.training
+            }
+        )
+        if active:
+            warnings.warn(
+                f"The model has dropout ({', '.join(active)} with p > 0) and distils its unmasked pass, which runs "
+                "in the model's training mode: the distillation target gets dropout too. For a deterministic "
+                "target, set every dropout probability to 0 before training (for m in model.modules(): "
+                "if isinstance(m, torch.nn.Dropout): m.p = 0.0), or MaskConfig(distill_logits=0.0) for the "
+                "language-model loss alone.",
+                stacklevel=3,
+            )
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``base_model.generate`` with the active mask (hard masks in eval mode)."""
@@ -229,9 +268,15 @@ class MaskModel(NamedMasksMixin, nn.Module):
         self._check_not_merged()
         return {name: self.base_model.get_submodule(name) for name in self.masked_names}
 
+    def set_schedule_progress(self, progress: float) -> None:
+        """Set tau, kappa and the regulariser's weight to the active mask's schedule at ``progress``
+        (``step / max_steps``; ``MaskAnnealCallback`` does it every step, a custom training loop calls it
+        itself; :func:`~hf_maskllm.adapters.schedule.annealed_values`)."""
+        self.schedule.set_progress(self.mask_config, progress)
+
     def set_schedule_values(self, tau: float, kappa: float, sparse_reg_weight: float | None = None) -> None:
         """Set the Gumbel temperature, the logit scale and (optionally) the regulariser's current weight
-        (``MaskAnnealCallback`` does it every step; a custom training loop calls it itself)."""
+        to values of your own (:meth:`set_schedule_progress` sets those of the config's schedule)."""
         values: dict[str, Any] = {"tau": float(tau), "kappa": float(kappa), "driven": True}
         if sparse_reg_weight is not None:
             values["sparse_reg_weight"] = float(sparse_reg_weight)
@@ -292,9 +337,18 @@ class MaskModel(NamedMasksMixin, nn.Module):
 
     @contextlib.contextmanager
     def disable_masks(self) -> Iterator[None]:
-        """Context in which the model runs dense: each masked layer's base layer is put back in its place."""
-        with unwrapped(self.base_model, self.masked_layers()):
+        """Context in which the model runs dense: every masked layer runs its base layer alone.
+
+        A flag the layers read in ``forward`` (the schedule's ``masks_disabled``, as PEFT's
+        ``disable_adapters``): no module is swapped or changes mode, so hooks, ``torch.compile``, DDP and
+        FSDP see the same model with and without masks."""
+        self._check_not_merged()
+        previous = self.schedule.masks_disabled
+        self.schedule.update(masks_disabled=True)
+        try:
             yield
+        finally:
+            self.schedule.update(masks_disabled=previous)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -370,7 +424,9 @@ class MaskModel(NamedMasksMixin, nn.Module):
         The mask named ``"default"`` goes into ``save_directory`` itself, every other one into
         ``save_directory/<mask name>`` (PEFT's layout). ``merged=True`` instead writes the sparse model
         with the active mask as a compressed N:M checkpoint (``dense=True``: a plain transformers
-        checkpoint with zeros) that ``from_pretrained`` loads. ``state_dict``: the active mask's logits
+        checkpoint with zeros) that ``from_pretrained`` loads; ``values="int8"`` / ``"int4"``,
+        ``group_size`` and ``calibration_data`` (passed on to ``hf_maskllm.sparse.save_compressed``) store
+        its kept values quantized. ``state_dict``: the active mask's logits
         keyed as ``state_dict()`` keys them, used instead of the layers' own; under FSDP, where each
         process holds a shard of them, the full state dict that ``accelerator.get_state_dict(model)``
         gathers on every process (the main process then saves). ``format="npz"`` writes each mask as the
@@ -447,25 +503,26 @@ class MaskModel(NamedMasksMixin, nn.Module):
         hard mask with the prior rule. ``is_trainable=False`` freezes the logits, puts the model in eval
         mode, and holds the mask packed whenever another one is active.
 
-        ``name_or_path`` may also be the MaskLLM reference implementation's ``mask_compressed.npz`` (the
-        file, a folder or a Hub repo holding it), which carries no config: ``config`` (default
-        ``MaskConfig()``) says its N:M and which layers it must cover (``exclude_modules``: the layers to
-        leave dense).
+        ``name_or_path`` may also be the MaskLLM reference implementation's ``mask_compressed.npz`` or
+        PATCH's ``mask.npz`` (the file, a folder or a Hub repo holding it), which carry no config:
+        ``config`` (default ``MaskConfig()``; for ``mask.npz``, the N:M its ``__meta__`` names) says its N:M
+        and which layers it must cover (``exclude_modules``: the layers to leave dense; layers a
+        ``mask.npz`` does not mask stay dense, with a warning naming them).
         """
         check_mask_name(mask_name)
-        found = resolve_mask_source(
+        found = open_mask_source(
             name_or_path,
             revision,
             subfolder,
             config,
             getattr(getattr(model, "config", None), "_name_or_path", None),
         )
-        source, config = found.path, found.config
+        config = found.config
         targets = source_targets(model, found)
         mask_model = cls.__new__(cls)
         with mask_model._wrapping(model, config, targets):
             mask_model._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
-            mask_model._load_mask(source, mask_name, is_trainable, None, None, keep_logits, True, config)
+            mask_model._load_mask(found, mask_name, is_trainable, None, None, keep_logits, True)
             mask_model.set_mask(mask_name)
         if not is_trainable:
             mask_model.eval()

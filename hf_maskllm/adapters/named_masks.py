@@ -19,9 +19,9 @@ covers the same layers with the same N:M; the base weights exist once. A mask is
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,19 +32,11 @@ from torch import nn
 from ..errors import ConfigError, MaskFileError, MaskLLMError
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns
-from .config import CONFIG_NAME, MaskConfig
+from .config import MaskConfig
+from .mask_source import MaskSource, holds_mask, open_mask_source, read_mask, warn_other_base_model
 from .objective import is_causal_lm
 from .prior_init import TORCH_DTYPES, initial_logits, prior_masks, wanda_order_norms
-from .reference_file import REFERENCE_NAME, find_reference_file
-from .save_and_load import (
-    DEFAULT_MASK_NAME,
-    check_mask_name,
-    logits_from_saved,
-    read_config,
-    read_reference_mask,
-    read_saved_mask,
-    resolve_mask_folder,
-)
+from .save_and_load import DEFAULT_MASK_NAME, check_mask_name, logits_from_saved
 from .targets import find_targets
 from .wrapping import unwrapped
 
@@ -167,11 +159,16 @@ class NamedMasksMixin:
         ``config.prior`` works as in :func:`~hf_maskllm.get_mask_model`: a one-shot method (calibrated on
         the dense base model with ``calibration_data``), or a saved mask folder / Hub repo id (transfer
         learning). Activate it with :meth:`set_mask` before training it.
+
+        ``config`` is not changed: the mask keeps a resolved copy (``mask_configs[mask_name]``), with the
+        defaults left to the model (``distill_logits``, ``wanda_strength``, ``base_model_name_or_path``)
+        filled in; that copy is saved with the mask.
         """
         self._check_new_name(mask_name)
         if not isinstance(config, MaskConfig):
             raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
         config.validate()
+        config = copy.deepcopy(config)  # the resolved copy: the caller's object stays as written
         self._check_compatible(mask_name, config, "MaskConfig")
         layers = self.masked_layers()
         with unwrapped(self.base_model, layers) as model:
@@ -219,7 +216,7 @@ class NamedMasksMixin:
 
     def _load_mask(
         self,
-        name_or_path: str | os.PathLike,
+        name_or_path: str | os.PathLike | MaskSource,
         mask_name: str,
         is_trainable: bool,
         revision: str | None,
@@ -230,31 +227,33 @@ class NamedMasksMixin:
     ) -> None:
         """``load_mask``; ``with_logits``: hold the logits (saved, or rebuilt from the hard masks) whatever
         ``is_trainable`` and ``keep_logits`` say, as ``from_pretrained`` does for the mask it activates.
-        ``reference_config``: the config of a reference ``mask_compressed.npz`` (which carries none;
-        default: the active mask's, without its prior)."""
+        ``reference_config``: the config of a file that carries none (NVlabs' ``mask_compressed.npz``,
+        PATCH's ``mask.npz``; default: the active mask's, without its prior). ``name_or_path`` may be a
+        :class:`MaskSource` already opened (``from_pretrained``)."""
         self._check_new_name(mask_name)
-        self._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
         layers = self.masked_layers()
         shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
-        reference = find_reference_file(name_or_path, revision, subfolder)
-        if reference is not None:
-            config = reference_config or MaskConfig.from_dict({**self.mask_config.to_dict(), "prior": None})
-            self._check_compatible(mask_name, config, f"the MaskConfig for {reference}")
-            transposed = {name for name, layer in layers.items() if is_conv1d(layer.base_layer)}
-            model_layers = {name for name, _ in self.base_model.named_modules()}
+        if isinstance(name_or_path, MaskSource):
+            source = name_or_path
         else:
-            folder = resolve_mask_folder(name_or_path, revision, subfolder)
-            config = read_config(folder)
-            config.resolve_objective(
-                is_causal_lm(self.base_model)
-            )  # a config saved before a model filled it in
-            self._check_compatible(mask_name, config, f"the mask in {folder}")
-            _check_base_model(folder, config, self.base_model)
+            self._check_not_a_named_subfolder(name_or_path, mask_name, subfolder)
+            default = reference_config or MaskConfig.from_dict({**self.mask_config.to_dict(), "prior": None})
+            source = open_mask_source(name_or_path, revision, subfolder, default=default)
+        config = source.config
+        if source.format == "hf_maskllm":  # a config saved before a model filled it in
+            config.resolve_objective(is_causal_lm(self.base_model))
+        what = (
+            f"the mask in {source.path}"
+            if source.format == "hf_maskllm"
+            else f"the MaskConfig for {source.path}"
+        )
+        self._check_compatible(mask_name, config, what)
+        warn_other_base_model(source, _name_or_path(self.base_model), stacklevel=4)
+        transposed = {name for name, layer in layers.items() if is_conv1d(layer.base_layer)}
+        model_layers = {name for name, _ in self.base_model.named_modules()}
+        weights = {name: dense_weight_view(layer.base_layer) for name, layer in layers.items()}
         try:
-            if reference is not None:
-                saved = read_reference_mask(reference, config, shapes, transposed, model_layers)
-            else:
-                saved = read_saved_mask(folder, config, shapes)
+            saved = read_mask(source, shapes, transposed, model_layers, weights)
         except MaskFileError as e:
             raise MaskFileError(f"Mask {mask_name!r}: {e}") from e
         logits = None
@@ -354,10 +353,6 @@ class NamedMasksMixin:
         if subfolder is not None or mask_name == DEFAULT_MASK_NAME:
             return
         root = Path(name_or_path).expanduser()
-
-        def holds_mask(folder: Path) -> bool:
-            return (folder / CONFIG_NAME).is_file() or (folder / REFERENCE_NAME).is_file()
-
         if holds_mask(root) and holds_mask(root / mask_name):
             raise MaskFileError(
                 f"{str(root)!r} holds its default mask at the top and a mask saved as {mask_name!r} in "
@@ -370,14 +365,3 @@ class NamedMasksMixin:
 def _name_or_path(model: nn.Module) -> str | None:
     """The name or path a transformers model was loaded from, if it records one."""
     return getattr(getattr(model, "config", None), "_name_or_path", None) or None
-
-
-def _check_base_model(folder: Path, config: MaskConfig, model: nn.Module) -> None:
-    """Warn when the mask was saved from another base model than the one it is loaded onto."""
-    saved, ours = config.base_model_name_or_path, _name_or_path(model)
-    if saved and ours and saved != ours:
-        warnings.warn(
-            f"The mask in {folder} was learned on {saved!r} and is loaded onto {ours!r}. A mask only fits the "
-            "weights it was learned on; if this is the same model saved elsewhere, ignore this warning.",
-            stacklevel=4,
-        )

@@ -1,8 +1,9 @@
 """The training objective of mask learning: the language-model loss and distillation from the unmasked model.
 
 While the masks learn, the weights are frozen, so the unmasked model is at hand for free: the same
-weights run without masks (:meth:`MaskModel.disable_masks`). :func:`teacher_pass` runs it without
-autograd, in bfloat16 where the device multiplies it natively (:func:`teacher_autocast`);
+weights run with the masks bypassed (:meth:`MaskModel.disable_masks`: a flag the masked layers read,
+nothing swapped). :func:`teacher_pass` runs it without autograd, in bfloat16 where the device
+multiplies it natively (:func:`teacher_autocast`);
 :func:`objective_terms` compares the masked model's outputs with it (the logit KL in the language-model
 loss's own pass over the logits where the model's loss allows: :func:`fused_lm_loss`):
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "apply_objective",
     "check_causal_lm",
     "fused_lm_loss",
+    "fuses_logit_kl",
     "hidden_distillation",
     "is_causal_lm",
     "logit_distillation",
@@ -183,15 +184,15 @@ def logit_distillation(
 
 
 class FusedCausalLMLoss:
-    """A stand-in for a causal LM's ``loss_function`` (transformers' ``ForCausalLMLoss``, same arguments and
-    value) whose gradient also carries ``distill_logits / lm_weight`` times the logit KL to ``teacher``,
-    computed in the same pass over the logits: the language-model loss then costs no separate pass.
+    """A causal LM's language-model loss (transformers' ``ForCausalLMLoss``: same arguments and value)
+    whose gradient also carries ``distill_logits / lm_weight`` times the logit KL to ``teacher``, computed
+    in the same pass over the logits: the language-model loss then costs no separate pass.
+    :func:`fused_lm_loss` calls it on the masked model's logits.
 
-    The model's forward scales what it returns by ``lm_weight`` with the rest of the objective. After the
-    forward, ``kl`` holds the KL (the temperature's ``T^2`` included, divided like the loss; no gradient),
-    or None when the model computed its loss another way or from other logits than the teacher's (the KL
-    is then computed separately). A batch without a single label gives 0, where transformers' mean gives
-    NaN."""
+    The caller scales the loss by ``lm_weight`` with the rest of the objective. After the call, ``kl``
+    holds the KL (the temperature's ``T^2`` included, divided like the loss; no gradient), or None when
+    the logits were not the teacher's shape (the model's own loss is returned then, the KL computed
+    separately). A batch without a single label gives 0, where transformers' mean gives NaN."""
 
     def __init__(self, teacher_logits: torch.Tensor, config: MaskConfig) -> None:
         self.teacher = teacher_logits
@@ -233,32 +234,48 @@ class FusedCausalLMLoss:
         return ce / divisor + (total - total.detach())  # the value: the cross-entropy alone
 
 
-@contextlib.contextmanager
-def fused_lm_loss(model: nn.Module, teacher: Any, config: MaskConfig) -> Iterator[FusedCausalLMLoss | None]:
-    """While the block runs, ``model`` computes its language-model loss through :class:`FusedCausalLMLoss`
-    (the logit KL in the same pass), when its loss is transformers' standard causal-LM loss and the objective
-    weighs both terms; yields it, or None (the model's own loss then, the KL computed separately)."""
+LOSS_ARGUMENTS = ("labels", "shift_labels", "ignore_index", "num_items_in_batch")
+
+
+def fuses_logit_kl(model: nn.Module, teacher: Any, config: MaskConfig) -> bool:
+    """Whether the language-model loss of ``model`` is computed with the logit KL in the same pass over the
+    logits (:func:`fused_lm_loss`): when the objective weighs both terms and the model's loss is
+    transformers' standard causal-LM loss on the logits it returns (a transformers model class whose
+    ``loss_function`` is ``ForCausalLMLoss`` and adds no router loss to it). Otherwise the model computes
+    its own loss and the KL is computed separately."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    if not (
+    return (
         config.distill_logits > 0
         and config.lm_weight > 0
         and getattr(teacher, "logits", None) is not None
         and getattr(model, "loss_function", None) is ForCausalLMLoss
-    ):
-        yield None
-        return
+        and getattr(type(model).forward, "__module__", "").startswith("transformers.")
+        and not getattr(getattr(model, "config", None), "output_router_logits", False)
+    )
+
+
+def fused_lm_loss(
+    outputs: Any, teacher: Any, config: MaskConfig, kwargs: dict[str, Any]
+) -> tuple[Any, FusedCausalLMLoss]:
+    """``outputs`` (of a forward without the loss arguments) with the ``loss`` the model would have
+    computed from the batch's ``kwargs`` (labels, ``num_items_in_batch``, ...), computed by
+    :class:`FusedCausalLMLoss` with the logit KL to ``teacher`` in its gradient; and that loss function
+    (its ``kl``). The model is not changed: its ``loss_function`` stays as it is."""
     fused = FusedCausalLMLoss(teacher.logits, config)
-    override = model.__dict__.get("_loss_function")  # a loss function the user set on the model, if any
-    model.loss_function = fused
-    try:
-        yield fused
-    finally:
-        fused.teacher = None  # the teacher's logits are not kept past the forward
-        if override is None:
-            model.__dict__.pop("_loss_function", None)
-        else:
-            model._loss_function = override
+    logits = outputs.logits
+    loss = fused(
+        logits=logits,
+        labels=kwargs["labels"],
+        vocab_size=logits.shape[-1],
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
+        shift_labels=kwargs.get("shift_labels"),
+    )
+    fused.teacher = None  # the teacher's logits are not kept past the loss
+    # the loss first, as the model's own output holds it
+    fields = {name: value for name, value in outputs.items() if name != "loss"}
+    return type(outputs)(loss=loss, **fields), fused
 
 
 def hidden_distillation(
@@ -277,18 +294,6 @@ def hidden_distillation(
         block = ((hs - ht).square().sum(-1) / ht.square().sum(-1).clamp_min(1e-12)).sum()
         total = total + block.to(total.device)
     return total / len(student) / _divisor(valid, num_items_in_batch)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Every module in eval mode (no dropout), each put back as it was."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
 
 
 def teacher_autocast(model: nn.Module, bf16: bool | None = None) -> contextlib.AbstractContextManager:
@@ -314,14 +319,14 @@ def teacher_pass(
     kwargs: dict[str, Any],
     bf16: bool | None = None,
 ) -> Any:
-    """The unmasked model's outputs (no autograd, eval mode) for the forward arguments; ``dense`` is the
-    context in which ``model`` runs without masks; ``bf16`` as :func:`teacher_autocast` takes it. No loss is
-    computed."""
-    loss_only = ("labels", "shift_labels", "ignore_index", "num_items_in_batch")  # no loss is computed
-    kwargs = {k: v for k, v in kwargs.items() if k not in loss_only}
+    """The unmasked model's outputs (no autograd) for the forward arguments; ``dense`` is the context in
+    which ``model`` runs without masks (the layers bypass them: no module is swapped, and every module
+    keeps its mode, so dropout applies as in the masked pass); ``bf16`` as :func:`teacher_autocast`
+    takes it. No loss is computed."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in LOSS_ARGUMENTS}  # no loss is computed
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False  # no key-value cache for a single pass
-    with dense, _eval_mode(model), teacher_autocast(model, bf16):
+    with dense, teacher_autocast(model, bf16):
         return model(*args, **kwargs)
 
 

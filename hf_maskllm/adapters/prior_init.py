@@ -18,10 +18,8 @@ from ..modules import dense_weight_view, is_conv1d
 from ..patterns import candidate_patterns, mask_to_indices
 from ..priors.calibration import PRIOR_METHODS, compute_prior_masks
 from ..priors.wanda import input_norms
-from ..serialization import resolve_folder
-from .config import CONFIG_NAME, MaskConfig
-from .mask_file import MASKS_NAME, load_mask_config, read_masks
-from .reference_file import find_reference_file, read_reference_indices
+from .config import MaskConfig
+from .mask_source import LayerMasks, open_mask_source
 
 __all__ = [
     "TORCH_DTYPES",
@@ -257,30 +255,23 @@ def saved_mask_prior(
     config: MaskConfig, model: nn.Module, targets: list[str], source: str
 ) -> dict[str, torch.Tensor]:
     """Hard masks (``[out, in]`` bool) of the saved mask ``source`` for the layers ``targets`` of ``model``:
-    an hf_maskllm mask folder or Hub repo id, or the MaskLLM reference's ``mask_compressed.npz`` (the
-    file, a folder or a Hub repo holding it)."""
+    any mask source (an hf_maskllm mask folder, NVlabs' ``mask_compressed.npz`` or PATCH's ``mask.npz``: the
+    file, a folder or a Hub repo holding it), read with ``config``'s N:M."""
     modules = {name: model.get_submodule(name) for name in targets}
     shapes = {name: tuple(dense_weight_view(module).shape) for name, module in modules.items()}
-    reference = find_reference_file(source)
-    if reference is not None:
-        indices = read_reference_indices(
-            reference,
-            shapes,
-            config.n,
-            config.m,
-            transposed={name for name, module in modules.items() if is_conv1d(module)},
-            model_layers={name for name, _ in model.named_modules()},
+    found = open_mask_source(source, default=MaskConfig(n=config.n, m=config.m))
+    saved = found.config
+    if (saved.n, saved.m) != (config.n, config.m):
+        raise MaskFileError(
+            f"Prior mask {source!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
+            "use the same N:M."
         )
-    else:
-        folder = resolve_folder(
-            source, [CONFIG_NAME, MASKS_NAME], ["README.md"], MaskFileError, "prior mask folder"
-        )
-        saved = load_mask_config(folder)
-        if (saved.n, saved.m) != (config.n, config.m):
-            raise MaskFileError(
-                f"Prior mask {source!r} is {saved.n}:{saved.m} but the config asks for {config.n}:{config.m}; "
-                "use the same N:M."
-            )
-        indices, _ = read_masks(folder / MASKS_NAME, shapes, config.n, config.m)
+    transposed = {name for name, module in modules.items() if is_conv1d(module)}
+    model_layers = {name for name, _ in model.named_modules()}
     cand = candidate_patterns(config.n, config.m, dtype=torch.bool)
-    return {name: cand[idx].reshape(shapes[name]) for name, idx in indices.items()}
+    out = {}
+    with LayerMasks(found, shapes, transposed, model_layers) as masks:
+        for name, module in modules.items():
+            idx = masks.indices(name, dense_weight_view(module))
+            out[name] = cand[idx].reshape(shapes[name])
+    return out

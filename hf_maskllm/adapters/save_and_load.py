@@ -8,66 +8,36 @@ can be shared or loaded on its own.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError, MaskFileError, MaskLLMError, TargetError
+from ..errors import ConfigError, MaskFileError, MaskLLMError
 from ..modules import is_conv1d
 from ..patterns import candidate_patterns, indices_to_mask
-from ..serialization import atomic_folder, atomic_write, resolve_folder
+from ..serialization import atomic_folder, atomic_write
 from .card import mask_model_card
-from .config import CONFIG_NAME, MaskConfig
+from .config import CONFIG_NAME
 from .layer import mask_key
-from .mask_file import (
-    LOGITS_NAME,
-    MASKS_NAME,
-    load_mask_config,
-    open_packed_masks,
-    read_logits,
-    read_packed_masks,
-    unpack_layer,
-    write_logits,
-    write_masks,
-)
-from .packing import bits_per_weight, pack_indices
+from .mask_file import LOGITS_NAME, MASKS_NAME, write_logits, write_masks
+from .mask_source import PATCH_NAME, SavedMask
+from .packing import bits_per_weight
 from .prior_init import apply_prior_rule
-from .reference_file import (
-    REFERENCE_NAME,
-    ReferenceMasks,
-    find_reference_file,
-    read_reference_indices,
-    write_reference_file,
-)
-from .targets import find_targets
-
-if TYPE_CHECKING:
-    from .model import MaskModel
+from .reference_file import REFERENCE_NAME, write_reference_file
 
 __all__ = [
     "DEFAULT_MASK_NAME",
     "SAVE_FORMATS",
-    "LayerMasks",
-    "MaskSource",
-    "SavedMask",
     "check_mask_name",
     "logits_from_saved",
     "mask_folder",
-    "read_reference_mask",
-    "read_saved_mask",
-    "reference_config",
-    "resolve_mask_folder",
-    "resolve_mask_source",
     "save_masks",
-    "source_targets",
 ]
 
 
@@ -75,9 +45,7 @@ DEFAULT_MASK_NAME = "default"
 SAVE_FORMATS = ("hf_maskllm", "npz")
 _HF_MASKLLM_FILES = (CONFIG_NAME, MASKS_NAME, LOGITS_NAME, "README.md")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, REFERENCE_NAME, "README.md"}
-# What a reference file tells of itself (it carries no training summary).
-_REFERENCE_SUMMARY = {"source": f"MaskLLM reference {REFERENCE_NAME}"}
+_RESERVED = {CONFIG_NAME, MASKS_NAME, LOGITS_NAME, REFERENCE_NAME, PATCH_NAME, "README.md"}
 
 
 def check_mask_name(name: object) -> str:
@@ -97,8 +65,9 @@ def mask_folder(save_directory: str | os.PathLike, mask_name: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- save
+# ``mask_model`` below is a MaskModel, typed as a module: model.py imports this file, not the reverse.
 def save_masks(
-    mask_model: MaskModel,
+    mask_model: nn.Module,
     save_directory: str | os.PathLike,
     selected_masks: list[str] | None,
     save_logits: bool,
@@ -133,7 +102,7 @@ def save_masks(
 
 
 def _save_one(
-    mask_model: MaskModel,
+    mask_model: nn.Module,
     mask_name: str,
     folder: Path,
     save_logits: bool,
@@ -177,11 +146,12 @@ def _save_one(
         masks = (
             (name, indices_to_mask(idx, config.n, config.m, shapes[name])) for name, idx in indices.items()
         )
-        with atomic_folder(folder, drop=lambda name: name in _HF_MASKLLM_FILES, last=REFERENCE_NAME) as tmp:
+        stale = (*_HF_MASKLLM_FILES, PATCH_NAME)
+        with atomic_folder(folder, drop=lambda name: name in stale, last=REFERENCE_NAME) as tmp:
             write_reference_file(tmp / REFERENCE_NAME, masks, transposed)
         return
     with atomic_folder(
-        folder, drop=lambda name: name in (LOGITS_NAME, REFERENCE_NAME), last=CONFIG_NAME
+        folder, drop=lambda name: name in (LOGITS_NAME, REFERENCE_NAME, PATCH_NAME), last=CONFIG_NAME
     ) as tmp:
         # write_masks verifies the N:M invariant (one candidate index in [0, C) per group) first.
         write_masks(tmp / MASKS_NAME, indices, shapes, mask.config.n, mask.config.m, mask.summary)
@@ -192,7 +162,7 @@ def _save_one(
             f.write(mask_model_card(**card_fields(mask_model, mask_name)))
 
 
-def card_fields(mask_model: MaskModel, mask_name: str) -> dict[str, Any]:
+def card_fields(mask_model: nn.Module, mask_name: str) -> dict[str, Any]:
     """The model card's fields for one mask."""
     mask = mask_model.mask_info(mask_name)
     cfg = mask.config
@@ -221,7 +191,7 @@ def _refuse_sharded(logits: dict[str, torch.Tensor]) -> None:
 
 
 def _logits_from_state_dict(
-    mask_model: MaskModel, state_dict: dict[str, torch.Tensor]
+    mask_model: nn.Module, state_dict: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Every masked layer's full logits (CPU) out of a state dict keyed like ``state_dict()``."""
     logits = {}
@@ -244,199 +214,6 @@ def _logits_from_state_dict(
 
 
 # ---------------------------------------------------------------------------------------------- load
-@dataclass
-class SavedMask:
-    """A mask folder read and verified: its config, packed and unpacked hard masks, summary and logits."""
-
-    folder: Path
-    config: MaskConfig
-    shapes: dict[str, tuple[int, int]]
-    packed: dict[str, torch.Tensor]
-    indices: dict[str, torch.Tensor]
-    summary: dict[str, Any]
-    logits: dict[str, torch.Tensor] | None
-
-
-def resolve_mask_folder(
-    name_or_path: str | os.PathLike, revision: str | None = None, subfolder: str | None = None
-) -> Path:
-    """The local folder of a saved mask (a folder, or a Hub repo id, optionally one of its subfolders)."""
-    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
-    try:
-        folder = resolve_folder(
-            name_or_path,
-            [prefix + CONFIG_NAME, prefix + MASKS_NAME],
-            [prefix + LOGITS_NAME, prefix + "README.md"],
-            MaskFileError,
-            "mask folder",
-            revision,
-        )
-    except MaskFileError as e:
-        path = Path(name_or_path).expanduser() / prefix
-        named = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}")) if path.is_dir() else []
-        if named:
-            raise MaskFileError(
-                f"{e} It holds named masks in subfolders {named}: pass the subfolder of the one you want, e.g. "
-                f"{str(path / named[0])!r}, or subfolder={named[0]!r}."
-            ) from e
-        raise
-    return folder / prefix if prefix else folder
-
-
-@dataclass
-class MaskSource:
-    """Where a saved mask lies and the config it is read with: an hf_maskllm mask folder (its own config)
-    or the MaskLLM reference's ``mask_compressed.npz`` (``reference``; the config the caller gave)."""
-
-    path: Path
-    config: MaskConfig
-    reference: bool
-
-
-def resolve_mask_source(
-    name_or_path: str | os.PathLike,
-    revision: str | None = None,
-    subfolder: str | None = None,
-    config: MaskConfig | None = None,
-    base_model_name_or_path: str | None = None,
-) -> MaskSource:
-    """Find the mask ``name_or_path`` names (folder, ``.npz`` file or Hub repo id) and its config.
-
-    ``config`` is for a reference file only (default ``MaskConfig()``; refused for an hf_maskllm folder,
-    which carries its own); ``base_model_name_or_path`` fills its ``base_model_name_or_path`` when unset.
-    """
-    reference = find_reference_file(name_or_path, revision, subfolder)
-    if reference is None:
-        if config is not None:
-            raise ConfigError(
-                f"config= is for a mask file that carries none (the MaskLLM reference's {REFERENCE_NAME}); "
-                f"{name_or_path!r} is an hf_maskllm mask folder with its own config. Drop config=."
-            )
-        folder = resolve_mask_folder(name_or_path, revision, subfolder)
-        return MaskSource(folder, read_config(folder), False)
-    config = reference_config(config)
-    if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = base_model_name_or_path or None
-    return MaskSource(reference, config, True)
-
-
-def source_targets(model: nn.Module, source: MaskSource) -> list[str]:
-    """The layers of ``model`` that the mask at ``source`` covers (its config's targets), or a
-    :class:`MaskFileError` saying that the mask belongs to another model."""
-    config = source.config
-    try:
-        return find_targets(
-            model,
-            config.target_modules,
-            config.exclude_modules,
-            config.m,
-            strict=source.reference and config.strict,
-        )
-    except TargetError as e:
-        raise MaskFileError(
-            f"mask {source.path}: its target_modules / exclude_modules select no layer of this "
-            f"{type(model).__name__} ({e}) The mask belongs to another model; load it into the model it was "
-            "learned on."
-        ) from e
-
-
-def reference_config(config: MaskConfig | None) -> MaskConfig:
-    """The config a reference mask file is loaded with: ``config`` (default ``MaskConfig()``), no prior."""
-    if config is None:
-        return MaskConfig()
-    if not isinstance(config, MaskConfig):
-        raise ConfigError(f"config must be a MaskConfig, got {type(config).__name__}: {config!r}.")
-    if config.prior is not None:
-        raise ConfigError(
-            f"config.prior={config.prior!r}: a loaded mask is the hard mask of the file, it has no prior. Drop "
-            "prior, or pass the file as MaskConfig(prior=...) to get_mask_model to learn a mask from it."
-        )
-    config = MaskConfig.from_dict(config.to_dict())  # the caller's object stays as it was
-    config.validate()
-    return config
-
-
-class LayerMasks:
-    """The hard masks of a :class:`MaskSource`, checked to cover exactly the layers in ``shapes`` and read
-    one layer at a time (:meth:`indices`): a caller working layer by layer never holds every layer's masks
-    unpacked. ``transposed`` / ``model_layers``: as for :func:`read_reference_mask`. A context manager."""
-
-    def __init__(
-        self,
-        source: MaskSource,
-        shapes: dict[str, tuple[int, int]],
-        transposed: set[str],
-        model_layers: set[str],
-    ) -> None:
-        self.source, self.shapes = source, shapes
-        n, m = source.config.n, source.config.m
-        self._reference: ReferenceMasks | None = None
-        self._packed: dict[str, torch.Tensor] = {}
-        if source.reference:
-            self._reference = ReferenceMasks(source.path, shapes, n, m, transposed, model_layers)
-            self.summary: dict[str, Any] = dict(_REFERENCE_SUMMARY)
-        else:
-            self._packed, self.summary = open_packed_masks(source.path / MASKS_NAME, shapes, n, m)
-
-    def indices(self, name: str) -> torch.Tensor:
-        """Candidate indices (int64, one per group of ``m`` inputs) of layer ``name``, verified."""
-        cfg = self.source.config
-        if self._reference is not None:
-            return self._reference.indices(name)
-        path = self.source.path / MASKS_NAME
-        return unpack_layer(path, name, self._packed[name], self.shapes[name], cfg.n, cfg.m)
-
-    def close(self) -> None:
-        """Release the file."""
-        if self._reference is not None:
-            self._reference.close()
-
-    def __enter__(self) -> LayerMasks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def read_config(folder: Path) -> MaskConfig:
-    """The saved ``MaskConfig`` of a mask folder, checked for values that cannot be loaded."""
-    config = load_mask_config(folder)
-    if not -(2**63) <= config.seed < 2**64:  # torch.Generator.manual_seed's range
-        raise MaskFileError(
-            f"{folder / CONFIG_NAME}: seed={config.seed} is outside [-2**63, 2**64); the file is corrupt. "
-            "Fix the field or save the mask again."
-        )
-    return config
-
-
-def read_saved_mask(folder: Path, config: MaskConfig, shapes: dict[str, tuple[int, int]]) -> SavedMask:
-    """Read and verify the hard masks (and logits, when saved) of ``folder`` for the layers in ``shapes``."""
-    packed, indices, summary = read_packed_masks(folder / MASKS_NAME, shapes, config.n, config.m)
-    logits = None
-    if (folder / LOGITS_NAME).is_file():
-        groups_c = {
-            name: (s[0] * s[1] // config.m, math.comb(config.m, config.n)) for name, s in shapes.items()
-        }
-        logits = read_logits(folder / LOGITS_NAME, groups_c)
-    return SavedMask(folder, config, dict(shapes), packed, indices, summary, logits)
-
-
-def read_reference_mask(
-    path: Path,
-    config: MaskConfig,
-    shapes: dict[str, tuple[int, int]],
-    transposed: set[str],
-    model_layers: set[str],
-) -> SavedMask:
-    """Read and verify the MaskLLM reference's ``mask_compressed.npz`` at ``path`` for the layers in
-    ``shapes``, with ``config`` (the file carries none) saying its N:M (``reference_file.py``)."""
-    indices = read_reference_indices(path, shapes, config.n, config.m, transposed, model_layers)
-    num_candidates = math.comb(config.m, config.n)
-    packed = {name: pack_indices(idx, num_candidates) for name, idx in indices.items()}
-    summary = dict(_REFERENCE_SUMMARY)
-    return SavedMask(path, config, dict(shapes), packed, indices, summary, None)
-
-
 @torch.no_grad()
 def logits_from_saved(saved: SavedMask, init: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Logits (dtype and device of ``init``) reproducing the saved hard masks exactly.

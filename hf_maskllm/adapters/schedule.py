@@ -3,10 +3,15 @@
 :class:`MaskSchedule` holds everything that changes how the masked layers run during training: the
 Gumbel temperature ``tau``, the logit scale ``kappa``, straight-through sampling, the sparse weight
 regulariser's weight and divisor, whether the sampling is compiled or recomputed in the backward
-pass, and the precision of the unmasked model's pass that the distillation objective compares with. A
-:class:`~hf_maskllm.MaskModel` creates one and hands the same object to each of its
-:class:`~hf_maskllm.MaskedLinear` layers; :class:`~hf_maskllm.MaskAnnealCallback` (or a custom loop,
-through ``MaskModel.set_schedule_values``) updates it once per step with :meth:`MaskSchedule.update`.
+pass, the precision of the unmasked model's pass that the distillation objective compares with, and
+whether the masks are bypassed (that pass). A :class:`~hf_maskllm.MaskModel` creates one and hands the
+same object to each of its :class:`~hf_maskllm.MaskedLinear` layers.
+
+The annealing policy is one function, :func:`annealed_values`: tau, kappa and the regulariser's weight
+from a mask config and the training progress. :meth:`MaskSchedule.set_progress` applies it; it is what
+:class:`~hf_maskllm.MaskAnnealCallback` calls every step (``MaskModel.set_schedule_progress`` in a custom
+loop). The schedule holds settings only: what a training forward computes (the regulariser's and the
+distillation terms' values) is kept by the model (``MaskModel.last_losses``).
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 
-__all__ = ["MaskSchedule", "schedule_value"]
+if TYPE_CHECKING:
+    from .config import MaskConfig
+
+__all__ = ["MaskSchedule", "annealed_values", "schedule_value"]
 
 
 def schedule_value(start: float, end: float, progress: float, kind: str = "linear") -> float:
@@ -37,6 +43,18 @@ def schedule_value(start: float, end: float, progress: float, kind: str = "linea
     if kind == "exponential":
         return start * (end / start) ** t
     raise ConfigError(f"Unknown schedule {kind!r}; use 'linear', 'cosine' or 'exponential'.")
+
+
+def annealed_values(config: MaskConfig, progress: float) -> dict[str, float]:
+    """``tau``, ``kappa`` and ``sparse_reg_weight`` of ``config``'s schedule at ``progress``
+    (``global_step / max_steps``): ``tau`` and ``kappa`` follow ``config.tau_schedule`` /
+    ``config.kappa_schedule`` from start to end, the regulariser's weight is ``sparse_reg * (1 - progress)``
+    (the paper's linear decay to 0). The one place the annealing policy lives."""
+    return {
+        "tau": schedule_value(config.tau[0], config.tau[1], progress, config.tau_schedule),
+        "kappa": schedule_value(config.kappa[0], config.kappa[1], progress, config.kappa_schedule),
+        "sparse_reg_weight": config.sparse_reg * max(0.0, 1.0 - progress),
+    }
 
 
 @dataclass
@@ -57,12 +75,12 @@ class MaskSchedule:
         teacher_bf16: Run the unmasked model's pass (the distillation target) under bfloat16 autocast;
             ``None``: when the model computes in float32, no autocast is active and the device multiplies
             bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX).
-        driven: Whether a callback or training loop has set the schedule (a model training without
-            one warns once).
-        last_reg_loss: The regulariser's value (weight included) in the last training forward that
-            computed it, detached; what ``MaskAnnealCallback`` logs as ``sparse_reg_loss``.
-        last_objective_terms: The distillation terms (weights included) of the last training forward,
-            detached, by name; ``MaskAnnealCallback`` logs each as ``<name>_loss``.
+        masks_disabled: Every masked layer runs its base layer alone, as if unwrapped (the unmasked
+            model's pass; ``MaskModel.disable_masks``), like PEFT's ``disable_adapters``.
+        progress: The training progress the annealed values were last computed at
+            (:meth:`set_progress`); ``None`` until then.
+        driven: Whether a callback or training loop has set tau and kappa (a model training without one
+            warns once).
     """
 
     tau: float = 2.0
@@ -73,9 +91,9 @@ class MaskSchedule:
     compiled_sampling: bool = False
     recompute_sampling: bool | None = None
     teacher_bf16: bool | None = None
+    masks_disabled: bool = False
+    progress: float | None = None
     driven: bool = False
-    last_reg_loss: torch.Tensor | None = None
-    last_objective_terms: dict[str, torch.Tensor] | None = None
 
     def update(self, **values: Any) -> None:
         """Set several fields at once (unknown names are refused); plain Python values, no tensors."""
@@ -85,3 +103,8 @@ class MaskSchedule:
             raise ConfigError(f"MaskSchedule has no field {unknown}; fields: {sorted(fields)}.")
         for name, value in values.items():
             setattr(self, name, value)
+
+    def set_progress(self, config: MaskConfig, progress: float) -> None:
+        """Set tau, kappa and the regulariser's weight to ``config``'s schedule at ``progress``
+        (:func:`annealed_values`)."""
+        self.update(**annealed_values(config, progress), progress=float(progress), driven=True)

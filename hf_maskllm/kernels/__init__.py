@@ -1,5 +1,6 @@
 """N:M sparse linear kernels: Triton on CUDA (2:4 fast path) behind :func:`nm_linear`, and C++ on CPU
-(:mod:`.cpu_extension`, built on first use; ``SparseLinear`` routes to it).
+(:mod:`.cpu_extension`, built on first use). Compressed layers reach both through :mod:`.route`, the one
+routing place, whose registered torch ops ``torch.compile`` sees as single nodes.
 
 Triton is imported lazily and the C++ kernels are built lazily: importing this package needs only torch.
 """

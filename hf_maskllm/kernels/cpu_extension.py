@@ -1,6 +1,6 @@
-"""Build, cache and load the CPU N:M kernels (``kernels/cpu/nm_linear.cpp``).
+"""Build, cache and load the CPU N:M kernels (``kernels/cpu/*.cpp``).
 
-The C++ source is compiled once per torch version, Python version, machine type and source with
+The C++ sources are compiled once per torch version, Python version, machine type and sources with
 ``torch.utils.cpp_extension.load`` (the C++ compiler that ``torch.compile`` on CPU needs as well;
 ninja from the ``ninja`` wheel), into ``torch_extensions/`` under ``$HF_MASKLLM_CACHE`` (default
 ``~/.cache/hf_maskllm``); later processes load the built library in milliseconds. The instruction
@@ -35,15 +35,23 @@ __all__ = ["CPU_ISA_LEVELS", "cpu_isa", "cpu_kernels", "set_cpu_isa"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "nm_linear.cpp"
+# nm_linear.cpp holds the float kernels and the Python module, nm_linear_quant.cpp the int8 / int4 N:M
+# ones, int8_linear.cpp the dense int8 layer.
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "cpu" / name
+    for name in ("nm_linear.cpp", "nm_linear_quant.cpp", "int8_linear.cpp")
+)
 # Instruction-set levels of the C++ dispatch, lowest first.
 CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
 _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}
 
 
 def _build_directory() -> Path:
-    """One folder per torch version, Python version, machine type and source (a changed source builds anew)."""
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """One folder per torch version, Python version, machine type and sources (a changed source builds anew)."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    source = digest.hexdigest()[:12]
     tag = (
         f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{source}"
     )
@@ -74,7 +82,8 @@ def _warn_unavailable(reason: str) -> None:
 
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
-    """The compiled CPU kernel module (``nm_linear``, ``nm_expand``, ``set_isa``), or ``None`` with one warning."""
+    """The compiled CPU kernel module (``nm_linear``, ``nm_expand``, ``nm_linear_q``, ``nm_expand_q``, ``set_isa``),
+    or ``None`` with one warning."""
     if os.environ.get("HF_MASKLLM_CPU_KERNELS", "1") == "0":
         _warn_unavailable("HF_MASKLLM_CPU_KERNELS=0")
         return None
@@ -96,7 +105,7 @@ def cpu_kernels() -> ModuleType | None:
     try:
         module = cpp_extension.load(
             name="hf_maskllm_nm_cpu",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", *openmp],
             extra_ldflags=openmp,
             build_directory=str(build_dir),

@@ -36,6 +36,7 @@ __all__ = [
     "nm_linear_decode",
     "nm_linear_dot",
     "nm_linear_expand",
+    "triton_linear",
 ]
 
 # The routes by token count (constant-time choice). Up to DECODE_MAX_TOKENS: the decode kernel (one
@@ -294,6 +295,19 @@ def _check_kernel_exists(x: torch.Tensor, n: int, m: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def triton_linear(
+    x2d: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The 2:4 Triton route by token count for a 2-D ``x2d [T, K]`` (no checks, no autograd)."""
+    if x2d.shape[0] == 0:
+        return x2d.new_empty(0, values.shape[0])
+    if x2d.shape[0] <= DECODE_MAX_TOKENS:
+        return nm_linear_decode(x2d, values, meta, bias)
+    if x2d.shape[0] < EXPAND_MIN_TOKENS:
+        return nm_linear_dot(x2d, values, meta, bias)
+    return nm_linear_expand(x2d, values, meta, bias)
+
+
 @torch.library.custom_op("hf_maskllm::nm_linear", mutates_args=())
 def _nm_linear_op(
     x2d: torch.Tensor,
@@ -305,13 +319,7 @@ def _nm_linear_op(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     _check_kernel_exists(x2d, n, m)
-    if x2d.shape[0] == 0:
-        return x2d.new_empty(0, values.shape[0])
-    if x2d.shape[0] <= DECODE_MAX_TOKENS:
-        return nm_linear_decode(x2d, values, meta, bias)
-    if x2d.shape[0] < EXPAND_MIN_TOKENS:
-        return nm_linear_dot(x2d, values, meta, bias)
-    return nm_linear_expand(x2d, values, meta, bias)
+    return triton_linear(x2d, values, meta, bias)
 
 
 @_nm_linear_op.register_fake

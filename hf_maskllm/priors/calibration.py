@@ -51,6 +51,7 @@ __all__ = [
     "PRIOR_METHODS",
     "compute_prior_masks",
     "find_decoder_blocks",
+    "solve_layers_sequentially",
     "sparsegpt_prune",
     "sparsegpt_reconstruct",
 ]
@@ -235,6 +236,8 @@ def _capture_block_inputs(
 # ---------------------------------------------------------------------------------------------
 
 _STATS = {"wanda": InputNormStats, "sparsegpt": HessianStats}
+# (name, weight [out, in] in the compute dtype, Hessian 2/T X^T X [in, in] float64) -> new weight [out, in]
+LayerSolve = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _collect_stats(
@@ -285,18 +288,23 @@ def _prune_targets(
     masks: dict[str, torch.Tensor],
     fixed_masks: dict[str, torch.Tensor] | None = None,
     weight_dtypes: dict[str, torch.dtype] | None = None,
+    solve: LayerSolve | None = None,
 ) -> None:
     """Compute each target's mask and apply it to the weight (keeping a CPU copy of the original).
 
     With ``fixed_masks`` (SparseGPT only), each target keeps its given mask and gets the OBS update for it.
     ``weight_dtypes``: each weight's dtype in the model, when the block runs in another one; the copy is
-    kept, and the update rounded, in it.
+    kept, and the update rounded, in it. ``solve``: replaces the method's solve (no mask is recorded).
     """
     for name, module in targets.items():
         weight = module.weight
         dtype = weight.dtype if weight_dtypes is None else weight_dtypes[name]
         originals[name] = weight.detach().to("cpu", dtype=dtype, copy=True)
         w_oi = dense_weight_view(module)
+        if solve is not None:
+            w_oi.data.copy_(solve(name, w_oi.detach(), stats[name].hessian()).to(dtype))
+            stats[name] = None
+            continue
         if method == "wanda":
             mask = wanda_mask(w_oi, stats[name].norms(), n, m)
             w_oi.data.masked_fill_(~mask, 0)
@@ -328,6 +336,8 @@ def _calibrate_sequentially(
     keep_updates: bool,
     fixed_masks: dict[str, torch.Tensor] | None = None,
     compute_dtype: torch.dtype | None = None,
+    solve: LayerSolve | None = None,
+    label: str | None = None,
 ) -> dict[str, torch.Tensor]:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}.")
@@ -359,7 +369,9 @@ def _calibrate_sequentially(
             inputs = _capture_block_inputs(model, blocks[0], calibration, batch_size)
             inputs.cast(dtype)
             num_batches = len(inputs.hidden)
-            for i in tqdm(range(last + 1), desc=f"{method} {n}:{m}", unit="block", disable=not progress):
+            for i in tqdm(
+                range(last + 1), desc=label or f"{method} {n}:{m}", unit="block", disable=not progress
+            ):
                 block = blocks[i]
                 dtypes = {name: module.weight.dtype for name, module in per_block[i].items()}
                 with _module_in_dtype(block, dtype):
@@ -369,7 +381,7 @@ def _calibrate_sequentially(
                         )
                         _prune_targets(
                             per_block[i], stats, method, n, m, blocksize, percdamp, originals, masks,
-                            fixed_masks, dtypes,
+                            fixed_masks, dtypes, solve,
                         )  # fmt: skip
                     if i < last:
                         for b in range(num_batches):
@@ -384,7 +396,9 @@ def _calibrate_sequentially(
                 model(input_ids=calibration[starts[b] : starts[b] + batch_size].to(device))
 
             stats = _collect_stats(outside, method, len(starts), run_full)
-            _prune_targets(outside, stats, method, n, m, blocksize, percdamp, originals, masks, fixed_masks)
+            _prune_targets(
+                outside, stats, method, n, m, blocksize, percdamp, originals, masks, fixed_masks, None, solve
+            )
         success = True
     finally:
         if not (success and keep_updates):
@@ -394,7 +408,7 @@ def _calibrate_sequentially(
         model.train(was_training)
         if use_cache is not None:
             config.use_cache = use_cache
-    return {name: masks[name] for name in targets}
+    return {name: masks[name] for name in targets if name in masks}
 
 
 def _compute_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype:
@@ -546,3 +560,35 @@ def sparsegpt_prune(
         keep_updates=True,
         compute_dtype=compute_dtype,
     )
+
+
+def solve_layers_sequentially(
+    model: nn.Module,
+    module_names: list[str],
+    calibration: torch.LongTensor,
+    solve: LayerSolve,
+    n: int = 2,
+    m: int = 4,
+    batch_size: int = 1,
+    progress: bool = True,
+    compute_dtype: torch.dtype | None = None,
+    label: str = "calibrate",
+) -> None:
+    """Run ``solve`` on each target with SparseGPT's protocol, then restore every weight bit for bit.
+
+    ``solve(name, weight [out, in], hessian [in, in]) -> new weight [out, in]`` is called once per
+    target, block by block, with the layer's weight in ``compute_dtype`` and its Hessian
+    ``2/T * X^T X`` (float64) measured on inputs that already went through the earlier targets' new
+    weights (rounded to the model's dtype): an error-compensating quantizer sees the quantized model
+    so far. ``n, m``: the targets' pattern (their input width must divide by ``m``); ``label`` names the
+    progress bar; the other arguments are as in :func:`compute_prior_masks`.
+    """
+    check_nm_args(n, m)
+    targets = _resolve_targets(model, module_names, m)
+    calibration = _check_calibration(calibration, label)
+    if not targets:
+        return
+    _calibrate_sequentially(
+        model, "sparsegpt", n, m, targets, calibration, batch_size, progress, 128, 0.01,
+        keep_updates=False, compute_dtype=compute_dtype, solve=solve, label=label,
+    )  # fmt: skip

@@ -18,19 +18,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import __version__
-from ..errors import CheckpointError, NMViolationError, TargetError
+from ..errors import CheckpointError, ConfigError, NMViolationError, TargetError
 from ..hub import is_hub_repo_id
 from ..modules import dense_weight_view, is_conv1d, output_embedding_names
 from ..patterns import check_nm_args, count_nm_violations
 from ..serialization import atomic_folder, tensor_checksums, verify_safetensors
-from .format import CHECKSUM_KEY, FORMAT_VERSION, LOAD_MARKER, QUANT_METHOD, compress
-from .linear import SparseLinear, sparse_layer_names
+from ..version import __version__
+from .format import (
+    CHECKSUM_KEY,
+    FORMAT_VERSION,
+    LOAD_MARKER,
+    QUANT_METHOD,
+    QUANTIZED_FORMAT_VERSION,
+    check_group_size,
+    compress,
+)
+from .int8_embedding import EMBEDDING_TYPES, Int8Linear, int8_embedding_keys, int8_embedding_tensors
+from .linear import SparseLinear
+from .quantize import quantize_layers, resolve_values
+from .quantized_linear import QuantizedSparseLinear
 
 __all__ = [
     "bind_save_pretrained",
     "check_modules",
     "compressed_config",
+    "compressed_layer_names",
     "find_nm_modules",
     "save_compressed",
     "unbind_save_pretrained",
@@ -40,10 +52,16 @@ __all__ = [
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+_COMPRESSED = (SparseLinear, QuantizedSparseLinear)
+
+
+def compressed_layer_names(model: nn.Module) -> list[str]:
+    """Names of the :class:`SparseLinear` and :class:`QuantizedSparseLinear` modules of ``model``, in model order."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, _COMPRESSED)]
 
 
 def _is_nm(module: nn.Module, n: int, m: int) -> bool:
-    if isinstance(module, SparseLinear):
+    if isinstance(module, _COMPRESSED):
         return (module.n, module.m) == (n, m)
     weight = dense_weight_view(module)
     return weight.shape[1] % m == 0 and count_nm_violations(weight.detach(), n, m) == 0
@@ -55,7 +73,7 @@ def find_nm_modules(model: nn.Module, n: int = 2, m: int = 4) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if (isinstance(module, (nn.Linear, SparseLinear)) or is_conv1d(module))
+        if (isinstance(module, (nn.Linear, *_COMPRESSED)) or is_conv1d(module))
         and name not in skip
         and _is_nm(module, n, m)
     ]
@@ -69,7 +87,7 @@ def check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
         module = named.get(name)
         if module is None:
             raise TargetError(f"module {name!r} does not exist in {type(model).__name__}; check `modules`.")
-        if not (isinstance(module, (nn.Linear, SparseLinear)) or is_conv1d(module)):
+        if not (isinstance(module, (nn.Linear, *_COMPRESSED)) or is_conv1d(module)):
             raise TargetError(
                 f"module {name!r} is a {type(module).__name__}; only nn.Linear / Conv1D can be compressed."
             )
@@ -77,7 +95,7 @@ def check_modules(model: nn.Module, modules: list[str], n: int, m: int) -> None:
             raise TargetError(
                 f"module {name!r} is the output embedding (often tied); leave it out of `modules`."
             )
-        if isinstance(module, SparseLinear):
+        if isinstance(module, _COMPRESSED):
             if (module.n, module.m) != (n, m):
                 raise NMViolationError(f"module {name!r} is {module.n}:{module.m} compressed, not {n}:{m}.")
             continue
@@ -103,7 +121,16 @@ def _human(nbytes: int) -> str:
 
 
 def _model_card(
-    base: str, model_class: str, n: int, m: int, modules: list[str], sizes: dict[str, int], extra: dict | None
+    base: str,
+    model_class: str,
+    n: int,
+    m: int,
+    modules: list[str],
+    sizes: dict[str, int],
+    extra: dict | None,
+    values: str | None = None,
+    group_size: int | None = None,
+    embedding: str | None = None,
 ) -> str:
     extra = dict(extra or {})
     base = str(extra.pop("base_model", base))
@@ -111,9 +138,18 @@ def _model_card(
     if base and is_hub_repo_id(base):
         lines.append(f"base_model: {base}")
     lines += ["---", "", f"# {n}:{m} sparse model (hf_maskllm)", ""]
+    stored = (
+        f"format version {FORMAT_VERSION}: kept values + packed positions"
+        if values is None
+        else f"format version {QUANTIZED_FORMAT_VERSION}: {values} kept values with one float16 scale per "
+        f"{group_size} + packed positions"
+    )
+    if embedding is not None:
+        stored = f"format version {QUANTIZED_FORMAT_VERSION}: " + stored.split(": ", 1)[1]
+        stored += f"; the output embedding in {embedding} with one float16 scale per row"
     lines.append(
         f"{len(modules)} linear layers of `{base or model_class}` are {n}:{m} sparse and stored compressed "
-        f"(format version {FORMAT_VERSION}: kept values + packed positions). Load it with:"
+        f"({stored}). Load it with:"
     )
     lines += [
         "",
@@ -130,6 +166,12 @@ def _model_card(
     )
     lines += ["", "| | |", "|---|---|", f"| base model | {base or 'unknown'} |", f"| pattern | {n}:{m} |"]
     lines.append(f"| compressed modules | {len(modules)} |")
+    if values is not None:
+        lines.append(f"| kept values | {values}, one float16 scale per {group_size} kept values |")
+    if embedding is not None:
+        lines.append(
+            f"| output embedding | {embedding}, one float16 scale per row (stored once when tied to the input embedding) |"
+        )
     lines.append(f"| masked weights, dense | {_human(sizes['dense'])} |")
     lines.append(
         f"| masked weights, compressed | {_human(sizes['compressed'])} ({sizes['compressed'] / max(sizes['dense'], 1):.2%}) |"
@@ -181,6 +223,10 @@ def save_compressed(
     tokenizer: Any = None,
     max_shard_size: int | str = "2GB",
     model_card: dict | None = None,
+    values: str | None = None,
+    group_size: int | None = None,
+    calibration_data: Any = None,
+    embedding: str | None = None,
 ) -> list[str]:
     """Save a merged N:M model (targeted weights already zeroed) as a Hugging Face folder.
 
@@ -190,10 +236,39 @@ def save_compressed(
     ``P.values`` / ``P.meta`` (see :mod:`hf_maskllm.sparse.format`), reloadable after
     ``import hf_maskllm`` with ``AutoModelForCausalLM.from_pretrained``. Returns the module names.
 
+    ``values``: ``None`` (or ``"float"``) stores the kept values in the model's dtype (format version 1);
+    ``"int8"`` / ``"int4"`` stores them quantized, symmetric, one float16 scale per ``group_size`` kept
+    values of a row (default 32; format version 2; ``P.qvalues`` / ``P.scales`` / ``P.meta``), by
+    round-to-nearest, or with ``calibration_data`` (token ids ``[batch, seq]``, or texts with
+    ``tokenizer``) by the error-compensating method of :mod:`hf_maskllm.sparse.gptq`. Layers already
+    quantized are written as they are and need the same ``values`` and ``group_size``.
+
+    ``embedding="int8"`` also stores the output layer (and the input embedding tied to it, once) as int8
+    with one float16 scale per row, round-to-nearest (format version 2; see
+    :mod:`hf_maskllm.sparse.int8_embedding`); a model already holding such a layer is written with it.
+
     The folder is built beside ``save_directory`` and swapped in at once (see
     :func:`hf_maskllm.serialization.atomic_folder`): a crash leaves the previous save complete.
     """
     check_nm_args(n, m)
+    bits, group_size = resolve_values(values, group_size)
+    if embedding in (None, "float") and any(isinstance(mod, Int8Linear) for mod in model.modules()):
+        if embedding == "float":
+            raise ConfigError(
+                "this model's output embedding is int8; call model.dequantize() first to store it in float."
+            )
+        embedding = "int8"
+    embedding = None if embedding == "float" else embedding
+    if embedding is not None and embedding not in EMBEDDING_TYPES:
+        raise ConfigError(
+            f"`embedding` must be one of {list(EMBEDDING_TYPES)} or None (float), got {embedding!r}."
+        )
+    if embedding is not None and not any(isinstance(mod, Int8Linear) for mod in model.modules()):
+        int8_embedding_keys(model)  # refuses an output layer it cannot store, before anything is written
+    if calibration_data is not None and bits is None:
+        raise ConfigError(
+            "calibration_data is used to quantize the kept values; pass values='int8' or 'int4'."
+        )
     if modules is None:
         modules = find_nm_modules(model, n, m)
         if not modules:
@@ -206,11 +281,24 @@ def save_compressed(
         if not modules:
             raise TargetError("`modules` is empty; pass None to pick every N:M linear, or a list of names.")
         check_modules(model, modules, n, m)
-    has_sparse = any(isinstance(mod, SparseLinear) for mod in model.modules())
+    has_sparse = any(isinstance(mod, _COMPRESSED) for mod in model.modules())
     if dense and has_sparse:
         raise CheckpointError(
             "dense=True needs a dense model, but this one holds SparseLinear modules; replace them with "
             "module.to_dense() first, or save compressed (dense=False)."
+        )
+    if dense and bits is not None:
+        raise ConfigError(f"values={values!r} applies to compressed checkpoints; drop it or dense=True.")
+    if dense and embedding is not None:
+        raise ConfigError(
+            f"embedding={embedding!r} applies to compressed checkpoints; drop it or dense=True."
+        )
+    _check_quantized(model, modules, n, m, bits, group_size)
+    if calibration_data is not None and has_sparse:
+        raise ConfigError(
+            "calibration_data runs the error-compensating quantization on dense layers, but this model holds "
+            "compressed layers; call model.dequantize() (the dense model with zeros) and save that with "
+            "save_compressed(model, directory, values=..., calibration_data=...)."
         )
 
     if not dense:
@@ -226,10 +314,61 @@ def save_compressed(
         if dense:
             model.save_pretrained(tmp, max_shard_size=max_shard_size)
         else:
-            _save_compressed_files(model, tmp, n, m, modules, max_shard_size, model_card)
+            _save_compressed_files(
+                model,
+                tmp,
+                n,
+                m,
+                modules,
+                max_shard_size,
+                model_card,
+                bits,
+                group_size,
+                calibration_data,
+                tokenizer,
+                embedding,
+            )
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return modules
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _check_quantized(
+    model: nn.Module, modules: list[str], n: int, m: int, bits: int | None, group_size: int | None
+) -> None:
+    """Refuse a group size that does not fit a layer (naming one that fits all), and layers already
+    quantized with another value type or group size (they are written as they are: a second rounding
+    would lose what the first kept)."""
+    named = dict(model.named_modules())
+    if bits is not None:
+        kept = {
+            name: (
+                named[name].in_features
+                if isinstance(named[name], _COMPRESSED)
+                else dense_weight_view(named[name]).shape[1]
+            )
+            * n
+            // m
+            for name in modules
+        }
+        for name, k in kept.items():
+            check_group_size(k, bits, group_size, name, list(kept.values()))
+    for name in modules:
+        module = named[name]
+        if isinstance(module, QuantizedSparseLinear) and (module.bits, module.group_size) != (
+            bits,
+            group_size,
+        ):
+            wanted = "float values" if bits is None else f"int{bits} values with group_size={group_size}"
+            raise ConfigError(
+                f"layer {name!r} holds {module.value_type} values with group_size={module.group_size}, but the save "
+                f"asks for {wanted}; save with values={module.value_type!r}, group_size={module.group_size}, or "
+                "start from the float model."
+            )
 
 
 def _check_finite(model: nn.Module, modules: list[str]) -> None:
@@ -237,7 +376,12 @@ def _check_finite(model: nn.Module, modules: list[str]) -> None:
     named = dict(model.named_modules())
     for name in modules:
         module = named[name]
-        weight = module.values if isinstance(module, SparseLinear) else dense_weight_view(module)
+        if isinstance(module, QuantizedSparseLinear):
+            weight = module.scales
+        elif isinstance(module, SparseLinear):
+            weight = module.values
+        else:
+            weight = dense_weight_view(module)
         if not bool(torch.isfinite(weight.detach()).all()):
             raise CheckpointError(
                 f"module {name!r} holds NaN or inf weights; refusing to write a checkpoint that cannot load. "
@@ -253,25 +397,53 @@ def _save_compressed_files(
     modules: list[str],
     max_shard_size: int | str,
     model_card: dict | None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    calibration_data: Any = None,
+    tokenizer: Any = None,
+    embedding: str | None = None,
 ) -> None:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     named = dict(model.named_modules())
     state_dict = remove_tied_weights_from_state_dict(model.state_dict(), model)  # references, not copies
     sizes = {"dense": 0, "compressed": 0}
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if bits is not None and calibration_data is not None:  # the error-compensating method sees every layer
+        kept = {name: compress(dense_weight_view(named[name]), n, m)[0] for name in modules}
+        quantized = quantize_layers(model, kept, bits, group_size, calibration_data, tokenizer, n, m)
+        del kept
     for name in modules:
         module = named[name]
-        if isinstance(module, SparseLinear):
-            values, meta = module.values, module.meta
-            elem = module.values.element_size()
-            sizes["dense"] += module.in_features * module.out_features * elem
+        if isinstance(module, QuantizedSparseLinear):
+            tensors = {"qvalues": module.qvalues, "scales": module.scales, "meta": module.meta}
+            sizes["dense"] += module.in_features * module.out_features * _element_size(module.weight_dtype)
         else:
-            weight = dense_weight_view(module)
-            values, meta = compress(weight, n, m)  # one layer at a time
-            sizes["dense"] += weight.numel() * weight.element_size()
-            del state_dict[f"{name}.weight"]
-        state_dict[f"{name}.values"], state_dict[f"{name}.meta"] = values.cpu(), meta.cpu()
-        sizes["compressed"] += values.numel() * values.element_size() + meta.numel()
+            if isinstance(module, SparseLinear):
+                values, meta = module.values, module.meta
+                sizes["dense"] += module.in_features * module.out_features * values.element_size()
+                if bits is not None:
+                    del state_dict[f"{name}.values"]
+            else:
+                weight = dense_weight_view(module)
+                values, meta = compress(weight, n, m)  # one layer at a time
+                sizes["dense"] += weight.numel() * weight.element_size()
+                del state_dict[f"{name}.weight"]
+            if bits is None:
+                tensors = {"values": values, "meta": meta}
+            else:
+                qvalues, scales = quantized.pop(name, None) or next(
+                    iter(quantize_layers(model, {name: values}, bits, group_size).values())
+                )
+                tensors = {"qvalues": qvalues, "scales": scales, "meta": meta}
+        for key, tensor in tensors.items():
+            state_dict[f"{name}.{key}"] = tensor.detach().cpu()
+            sizes["compressed"] += tensor.numel() * tensor.element_size()
+    if embedding is not None:  # the output layer (tied: the input embedding too) as int8 rows, stored once
+        drop, add = int8_embedding_tensors(model)
+        for key in drop:
+            state_dict.pop(key, None)
+        state_dict.update(add)
     sizes["total"] = sum(t.numel() * t.element_size() for t in state_dict.values())
     _write_shards(state_dict, tmp, max_shard_size)
     del state_dict
@@ -284,20 +456,45 @@ def _save_compressed_files(
         n,
         m,
         modules,
+        None if bits is None else f"int{bits}",
+        group_size,
+        embedding,
     )
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(model, "can_generate", lambda: False)():
         generation_config.save_pretrained(tmp)
     base = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    write_model_card(tmp, base, type(model).__name__, n, m, modules, sizes, model_card)
+    write_model_card(
+        tmp,
+        base,
+        type(model).__name__,
+        n,
+        m,
+        modules,
+        sizes,
+        model_card,
+        None if bits is None else f"int{bits}",
+        group_size,
+        embedding,
+    )
 
 
 def compressed_config(
-    config: dict[str, Any], architecture: str, dtype: torch.dtype | None, n: int, m: int, modules: list[str]
+    config: dict[str, Any],
+    architecture: str,
+    dtype: torch.dtype | None,
+    n: int,
+    m: int,
+    modules: list[str],
+    values: str | None = None,
+    group_size: int | None = None,
+    embedding: str | None = None,
 ) -> dict[str, Any]:
     """``config.json`` of a compressed checkpoint: the model's config (a dict) with its ``quantization_config``
-    and the guard that makes plain transformers refuse the folder (see ``quantizer.py``)."""
+    and the guard that makes plain transformers refuse the folder (see ``quantizer.py``). ``values``
+    (``"int8"`` / ``"int4"``) and ``group_size`` make it format version 2, as does ``embedding`` (``"int8"``:
+    the output embedding stored as int8 rows)."""
     config = dict(config)
     config.pop("quantization_config", None)
     config["architectures"] = [architecture]
@@ -312,6 +509,14 @@ def compressed_config(
         "modules": list(modules),
         "hf_maskllm_version": __version__,
     }
+    if values is not None:
+        config["quantization_config"] |= {
+            "format_version": QUANTIZED_FORMAT_VERSION,
+            "values": values,
+            "group_size": group_size,
+        }
+    if embedding is not None:
+        config["quantization_config"] |= {"format_version": QUANTIZED_FORMAT_VERSION, "embedding": embedding}
     return config
 
 
@@ -324,11 +529,16 @@ def write_model_card(
     modules: list[str],
     sizes: dict[str, int],
     extra: dict | None = None,
+    values: str | None = None,
+    group_size: int | None = None,
+    embedding: str | None = None,
 ) -> None:
     """Write the compressed checkpoint's ``README.md``; ``sizes``: bytes of the masked weights ``dense`` and
-    ``compressed``, and of every tensor in the folder (``total``)."""
+    ``compressed``, and of every tensor in the folder (``total``); ``values`` / ``group_size``: the
+    quantized value type, if any; ``embedding``: ``"int8"`` if the output embedding is stored as int8 rows."""
     (folder / "README.md").write_text(
-        _model_card(base, model_class, n, m, modules, sizes, extra), encoding="utf-8"
+        _model_card(base, model_class, n, m, modules, sizes, extra, values, group_size, embedding),
+        encoding="utf-8",
     )
 
 
@@ -341,13 +551,19 @@ def _save_pretrained(
     max_shard_size: int | str = "2GB",
     push_to_hub: bool = False,
     tokenizer: Any = None,
+    values: str | None = None,
+    group_size: int | None = None,
+    calibration_data: Any = None,
+    embedding: str | None = None,
     **kwargs: Any,
 ) -> list[str]:
     """Save this compressed N:M model as a compressed checkpoint (``hf_maskllm.sparse.save_compressed``).
 
     Reload it with ``AutoModelForCausalLM.from_pretrained`` after ``import hf_maskllm``. Accepts
     what ``Trainer`` passes (``state_dict``: must be this model's own tensors; ``is_main_process``).
-    Returns the names of the compressed modules.
+    ``values`` / ``group_size`` / ``calibration_data`` as for ``save_compressed``; by default a model
+    with int8 / int4 layers is written with their value type and group size, and an int8 output embedding
+    stays int8 (``embedding`` as for ``save_compressed``). Returns the names of the compressed modules.
     """
     unknown = sorted(set(kwargs) - set(_IGNORED))
     if unknown or push_to_hub or kwargs.get("safe_serialization") is False:
@@ -371,13 +587,19 @@ def _save_pretrained(
             "this model still holds PEFT adapter layers; merge them first (peft_model.merge_and_unload(), which "
             "keeps N:M) or save only the adapter with peft_model.save_pretrained."
         )
-    names = sparse_layer_names(self)
+    names = compressed_layer_names(self)
     if not names:
         raise CheckpointError(
             "this model holds no SparseLinear layer any more; save it with the plain transformers save_pretrained "
             "(after model.dequantize()) or hf_maskllm.sparse.save_compressed."
         )
     first = self.get_submodule(names[0])
+    if values is None:
+        quantized = [self.get_submodule(name) for name in names]
+        quantized = [mod for mod in quantized if isinstance(mod, QuantizedSparseLinear)]
+        if quantized:
+            values = quantized[0].value_type
+            group_size = quantized[0].group_size if group_size is None else group_size
     return save_compressed(
         self,
         save_directory,
@@ -386,6 +608,10 @@ def _save_pretrained(
         modules=names,
         tokenizer=tokenizer,
         max_shard_size=max_shard_size,
+        values=values,
+        group_size=group_size,
+        calibration_data=calibration_data,
+        embedding=embedding,
     )
 
 

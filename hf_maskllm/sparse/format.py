@@ -1,4 +1,4 @@
-"""The compressed N:M weight format (version 1): the one place where its bit layout is defined.
+"""The compressed N:M weight format (versions 1 and 2): the one place where its bit layout is defined.
 
 An N:M-sparse linear weight ``W [out, in]`` (``in`` divisible by ``m``; every group of ``m``
 consecutive inputs of a row keeps at most ``n`` nonzeros) is stored as two tensors:
@@ -11,6 +11,20 @@ consecutive inputs of a row keeps at most ``n`` nonzeros) is stored as two tenso
   row's little-endian bitstream (bit ``k`` of a row is bit ``k % 8`` of byte ``k // 8``). Unused
   trailing bits are zero. For 2:4: four positions per byte, value ``j`` at bits ``2*(j%4)`` of byte
   ``j//4``.
+
+Version 2 stores the kept values quantized ("value type" ``int8`` or ``int4``, one type for every
+compressed layer of a checkpoint), with the same ``meta``:
+
+- ``qvalues``: ``int8 [out, kept]`` codes ``q`` in ``[-127, 127]`` for ``int8``; for ``int4``
+  ``uint8 [out, kept // 2]``, kept value ``j`` in byte ``j // 2``, the low nibble for even ``j``, the
+  high nibble for odd ``j``, nibble ``u = q + 8`` for a code ``q`` in ``[-8, 7]`` (offset binary).
+- ``scales``: ``float16 [out, kept // group_size]``: kept value ``j`` of a row is
+  ``float(scales[row, j // group_size]) * q``, computed in float32. ``group_size`` (kept values per
+  scale, along the input dimension) divides ``kept`` and is even for ``int4``.
+
+Float-valued checkpoints stay version 1. A version-2 checkpoint may also (or only) store its output
+embedding as int8 rows with one float16 scale per row (``quantization_config.embedding = "int8"``; the
+tensors are defined in :mod:`hf_maskllm.sparse.int8_embedding`).
 
 All functions are vectorised torch (no loops over rows) and run on any device.
 
@@ -33,17 +47,31 @@ __all__ = [
     "CHECKSUM_KEY",
     "FORMAT_VERSION",
     "LOAD_MARKER",
+    "QUANTIZED_FORMAT_VERSION",
     "QUANT_METHOD",
+    "VALUE_TYPES",
+    "check_group_size",
     "compress",
     "compressed_shapes",
     "decompress",
+    "dequantize",
+    "dequantize_values",
     "kept_columns",
     "meta_bits",
+    "pack_codes",
+    "qmax",
+    "quantized_shapes",
+    "suggest_group_size",
+    "unpack_codes",
     "unpack_positions",
     "validate",
+    "validate_quantized",
+    "value_bits",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # float kept values
+QUANTIZED_FORMAT_VERSION = 2  # int8 / int4 kept values with float16 scales
+VALUE_TYPES = ("int8", "int4")
 QUANT_METHOD = "hf_maskllm_nm"
 LOAD_MARKER = (
     "hf_maskllm-nm-compressed: this checkpoint stores N:M-compressed weights. "
@@ -175,19 +203,187 @@ def validate(
             f"{where}: `values` must be a floating tensor of shape {list(v_shape)}, got {values.dtype} "
             f"{list(values.shape)}; the checkpoint is corrupt or was written for another model."
         )
+    _validate_meta(meta, n, m, in_features, out_features, where, values)
+
+
+def _validate_meta(
+    meta: torch.Tensor, n: int, m: int, in_features: int, out_features: int, where: str, *loaded: torch.Tensor
+) -> None:
+    """Raise :class:`CheckpointError` unless ``meta`` has its shape and holds increasing positions below ``m``
+    (and neither it nor any of ``loaded`` is still on the meta device)."""
+    (_, kept), m_shape = compressed_shapes(out_features, in_features, n, m)
     if tuple(meta.shape) != m_shape or meta.dtype != torch.uint8:
         raise CheckpointError(
             f"{where}: `meta` must be uint8 of shape {list(m_shape)}, got {meta.dtype} {list(meta.shape)}; "
             "the checkpoint is corrupt or was written for another model."
         )
-    if values.device.type == "meta" or meta.device.type == "meta":
+    if any(t.device.type == "meta" for t in (*loaded, meta)):
         raise CheckpointError(
             f"{where}: tensors were never loaded (still on the meta device); the file lacks them."
         )
-    kept = v_shape[1]
     pos = unpack_positions(meta, m, kept).view(out_features, in_features // m, n)
     if bool((pos >= m).any()) or (n > 1 and bool((pos[..., 1:] <= pos[..., :-1]).any())):
         raise CheckpointError(
             f"{where}: `meta` holds positions that are >= m={m} or not strictly increasing within a group; "
             "the checkpoint is corrupt. Save it again with hf_maskllm.sparse.save_compressed."
+        )
+
+
+# ------------------------------------------------------------------------------------------- version 2
+def value_bits(values: str) -> int:
+    """Bits per stored code of a value type: ``"int8"`` -> 8, ``"int4"`` -> 4."""
+    if values not in VALUE_TYPES:
+        raise ConfigError(f"`values` must be one of {list(VALUE_TYPES)} (or None for float), got {values!r}.")
+    return 8 if values == "int8" else 4
+
+
+def qmax(bits: int) -> int:
+    """The largest code round-to-nearest writes: 127 for 8 bits, 7 for 4 bits (int4 also allows -8)."""
+    return (1 << (bits - 1)) - 1
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (8, 4):
+        raise ConfigError(f"`bits` must be 8 or 4, got {bits!r}.")
+
+
+def suggest_group_size(kept: list[int] | int, bits: int, wanted: int) -> int | None:
+    """The largest group size ``<= wanted`` (else the smallest above it) that divides every ``kept`` and is
+    even for 4 bits; ``None`` if there is none."""
+    kept = [kept] if isinstance(kept, int) else list(kept)
+    common = math.gcd(*kept) if kept else 0
+    sizes = [d for d in range(1, common + 1) if common % d == 0 and (bits == 8 or d % 2 == 0)]
+    if not sizes:
+        return None
+    below = [d for d in sizes if d <= wanted]
+    return below[-1] if below else sizes[0]
+
+
+def check_group_size(
+    kept: int, bits: int, group_size: int, name: str = "weight", all_kept: list[int] | None = None
+) -> None:
+    """Raise :class:`ConfigError` unless ``group_size`` is a positive int dividing ``kept`` (even for 4 bits).
+
+    The message names the layer and a group size that works for it (for every layer, with ``all_kept``).
+    """
+    _check_bits(bits)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"`group_size` must be a positive int (kept values per scale), got {group_size!r}.")
+    if kept % group_size == 0 and (bits == 8 or group_size % 2 == 0):
+        return
+    works = suggest_group_size(all_kept or [kept], bits, group_size)
+    fix = f"use group_size={works}" if works else "leave this layer out of `modules`, or store float values"
+    why = (
+        "is odd (int4 packs two codes per byte)"
+        if kept % group_size == 0
+        else f"does not divide its {kept} kept values per row"
+    )
+    raise ConfigError(f"group_size={group_size} {why} in layer {name!r}; {fix}.")
+
+
+def quantized_shapes(
+    out_features: int, in_features: int, n: int, m: int, bits: int, group_size: int
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """Shapes of ``qvalues``, ``scales`` and ``meta`` for a ``[out_features, in_features]`` weight."""
+    (_, kept), meta_shape = compressed_shapes(out_features, in_features, n, m)
+    _check_bits(bits)
+    return (out_features, kept if bits == 8 else kept // 2), (out_features, kept // group_size), meta_shape
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored ``qvalues`` of integer ``codes [out, kept]``: ``int8`` as they are (8 bits), or two
+    offset-binary nibbles per ``uint8`` (4 bits: code ``j`` low for even ``j``, high for odd ``j``)."""
+    _check_bits(bits)
+    if bits == 8:
+        return codes.to(torch.int8).contiguous()
+    if codes.shape[-1] % 2:
+        raise ConfigError(f"int4 codes need an even number of kept values per row, got {codes.shape[-1]}.")
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
+def unpack_codes(qvalues: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes ``int8 [out, kept]`` stored in ``qvalues`` (inverse of :func:`pack_codes`)."""
+    _check_bits(bits)
+    if bits == 8:
+        return qvalues.to(torch.int8)
+    low = (qvalues & 0x0F).to(torch.int8) - 8
+    high = (qvalues >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).reshape(*qvalues.shape[:-1], qvalues.shape[-1] * 2)
+
+
+def dequantize_values(
+    qvalues: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The kept values ``[out, kept]``: ``float(scales[row, j // group_size]) * q`` in float32, then ``dtype``."""
+    codes = unpack_codes(qvalues, bits).to(torch.float32)
+    out, kept = codes.shape
+    grouped = codes.view(out, kept // group_size, group_size) * scales.to(torch.float32).unsqueeze(-1)
+    return grouped.view(out, kept).to(dtype)
+
+
+def dequantize(
+    qvalues: torch.Tensor,
+    scales: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rebuild the dense ``[out, in_features]`` weight of a version-2 layer in ``dtype``."""
+    return decompress(dequantize_values(qvalues, scales, bits, group_size, dtype), meta, n, m, in_features)
+
+
+def validate_quantized(
+    qvalues: torch.Tensor,
+    scales: torch.Tensor,
+    meta: torch.Tensor,
+    n: int,
+    m: int,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+    name: str = "weight",
+) -> None:
+    """Raise :class:`CheckpointError` unless ``qvalues`` / ``scales`` / ``meta`` are a well-formed version-2 layer.
+
+    Checks dtypes and shapes, finite scales, int8 codes in ``[-127, 127]`` and the positions in ``meta``.
+    """
+    where = f"compressed tensors of {name!r}"
+    value_type = f"int{bits}"
+    kept = in_features * n // m
+    try:
+        check_group_size(kept, bits, group_size, name)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e} The checkpoint is corrupt or config.json was edited.") from None
+    q_shape, s_shape, _ = quantized_shapes(out_features, in_features, n, m, bits, group_size)
+    q_dtype = torch.int8 if bits == 8 else torch.uint8
+    if tuple(qvalues.shape) != q_shape or qvalues.dtype != q_dtype:
+        raise CheckpointError(
+            f"{where}: `qvalues` must be {q_dtype} of shape {list(q_shape)} for {value_type} values "
+            f"(config.json quantization_config.values), got {qvalues.dtype} {list(qvalues.shape)}; the checkpoint "
+            "is corrupt, or its config.json declares another value type than its tensors hold."
+        )
+    if tuple(scales.shape) != s_shape or scales.dtype != torch.float16:
+        raise CheckpointError(
+            f"{where}: `scales` must be float16 of shape {list(s_shape)} (one per {group_size} kept values), got "
+            f"{scales.dtype} {list(scales.shape)}; the checkpoint is corrupt or config.json's group_size was edited."
+        )
+    _validate_meta(meta, n, m, in_features, out_features, where, qvalues, scales)
+    if not bool(torch.isfinite(scales).all()):
+        raise CheckpointError(
+            f"{where}: `scales` holds NaN or inf; the checkpoint is corrupt. Save or download it again."
+        )
+    if bits == 8 and bool((qvalues == -128).any()):
+        raise CheckpointError(
+            f"{where}: `qvalues` holds the code -128, outside int8's [-127, 127]; the checkpoint is corrupt. "
+            "Save it again with hf_maskllm.sparse.save_compressed."
         )

@@ -7,16 +7,20 @@ in ``meta`` never change); ``meta`` is a buffer. Forward routes, in this order:
    scatter) and ``F.linear``; the gradient of ``values`` is the dense gradient at the kept positions.
 2. ``cache_dense=True`` (opt-in): ``F.linear`` with a decompressed weight kept between calls (dense
    speed, one dense weight of memory per layer).
-3. No gradient needed at all, and a kernel reads the compressed weight on this device: on CUDA the
-   Triton kernels for 2:4 (``hf_maskllm.kernels.nm_linear``), on CPU the C++ kernels for float32,
-   bfloat16 and float16 outside autocast (``hf_maskllm.kernels.cpu_ops``: direct for up to 8 tokens,
-   expand into a reused scratch buffer + dense GEMM beyond). No dense copy of the layer is held.
+3. No gradient needed, and a kernel reads the compressed weight on this device
+   (:mod:`hf_maskllm.kernels.route`, the one routing place): on CPU the C++ kernels for float32,
+   bfloat16 and float16 outside autocast (direct for up to 8 tokens, expansion into a reused scratch
+   buffer + dense GEMM beyond), on CUDA the Triton kernels for 2:4. No dense copy of the layer is held.
 4. A gradient is needed for the input or the bias only (LoRA adapters, training something else), or
-   CPU autocast: ``F.linear`` with a freshly expanded weight (the C++ expansion on CPU), kept by
-   autograd until the backward pass.
+   autocast, or an input dtype other than the values': ``F.linear`` with a freshly expanded weight
+   (the C++ expansion on CPU, the Triton one on CUDA), kept by autograd until the backward pass.
 5. No kernel for this device and pattern (no Triton, or an N:M other than 2:4, on CUDA; the CPU
-   kernels could not be built, which warns once): the decompressed-weight cache as in 2, unless
-   ``cache_dense=False``.
+   kernels could not be built, which warns once; float64): the decompressed-weight cache as in 2,
+   unless ``cache_dense=False``.
+
+Under ``torch.compile`` routes 3 and 4 are registered torch ops (one opaque node each, no graph
+break, no recompilation) and no cache is kept: ``cache_dense=True`` takes route 3 where a kernel
+exists, and route 5 decompresses inside the compiled graph.
 
 The cache is keyed on the storage and version counter of ``values`` and ``meta`` (in-place updates
 by optimizers, ``load_state_dict`` or ``copy_`` invalidate it) and dropped on ``train()`` /
@@ -26,7 +30,6 @@ after them.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -34,17 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TargetError
-from ..kernels import nm_linear
-from ..kernels.cpu_extension import cpu_kernels
-from ..kernels.cpu_ops import expand_cpu, nm_linear_cpu
+from ..kernels.route import expand, has_expand, has_kernel, sparse_linear
 from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress, kept_columns
 
 __all__ = ["SparseLinear", "set_dense_cache", "sparse_layer_names", "to_dense_layers"]
 
-_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # the CUDA kernels (2:4) need it
+
+def _cast(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias.to(x.dtype)
 
 
 class SparseLinear(nn.Module):
@@ -93,7 +95,12 @@ class SparseLinear(nn.Module):
         self._cache_key: tuple | None = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, bias={self.bias is not None}"
+        # the last part is what PEFT's "Target module ... is not supported" shows of this layer: the fix
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
+            f"bias={self.bias is not None}, PEFT LoRA needs its LoraConfig through "
+            "hf_maskllm.sparse.register_lora(config)"
+        )
 
     # ------------------------------------------------------------------ the dense weight
     def dense_weight(self) -> torch.Tensor:
@@ -150,38 +157,25 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values, bias = self.values, self.bias
         grad = torch.is_grad_enabled()
+        if grad and values.requires_grad:  # 1. training the sparse weights themselves
+            return F.linear(x, self.dense_weight().to(x.dtype), _cast(bias, x))
         cache = self.cache_dense
-        cpu = x.device.type == "cpu" and self.values.device.type == "cpu"
-        # the CPU kernels compute in the input's dtype: not under autocast, which picks its own
-        kernel_dtype = x.dtype == self.values.dtype and x.dtype in _CPU_KERNEL_DTYPES
-        if cpu and not grad and cache is None and kernel_dtype and not torch.is_autocast_enabled("cpu"):
-            # the decode hot path, checked first: the same kernel call as below, with fewer checks
-            # per call (a model makes hundreds of these calls per generated token)
-            ext = cpu_kernels()
-            if ext is not None:
-                return nm_linear_cpu(
-                    ext, x, self.values, self.meta, self.n, self.m, self.in_features, self.bias
-                )
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if grad and self.values.requires_grad:  # training the sparse weights themselves
-            return F.linear(x, self.dense_weight().to(x.dtype), bias)
-        if cache:
-            return F.linear(x, self.cached_dense_weight().to(x.dtype), bias)
-        wants_grad = grad and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
-        if x.is_cuda and not wants_grad and _HAS_TRITON and (self.n, self.m) == (2, 4):
-            return nm_linear(x, self.values, self.meta, self.n, self.m, self.in_features, self.bias)
-        if cpu and self.values.dtype in _CPU_KERNEL_DTYPES and (ext := cpu_kernels()) is not None:
-            if not wants_grad and kernel_dtype and not torch.is_autocast_enabled("cpu"):
-                return nm_linear_cpu(
-                    ext, x, self.values, self.meta, self.n, self.m, self.in_features, self.bias
-                )
-            weight = expand_cpu(
-                ext, self.values, self.meta, self.n, self.m, self.in_features, keep=wants_grad
-            )
-            return F.linear(x, weight.to(x.dtype), bias)
-        weight = self.dense_weight() if cache is False else self.cached_dense_weight()
-        return F.linear(x, weight.to(x.dtype), bias)
+        compiling = torch.compiler.is_compiling()  # compiled code holds no cache: it reads the kernels
+        if cache and not compiling:  # 2. the opt-in dense cache
+            return F.linear(x, self.cached_dense_weight().to(x.dtype), _cast(bias, x))
+        wants_grad = grad and (x.requires_grad or (bias is not None and bias.requires_grad))
+        # 3. a kernel reads the compressed weight
+        if not wants_grad and has_kernel(x, values, self.n, self.m):
+            return sparse_linear(x, values, self.meta, self.n, self.m, self.in_features, bias)
+        # 4. a gradient for the input or bias only (LoRA), or autocast: a freshly expanded weight
+        if has_expand(values, values.dtype, self.n, self.m):
+            weight = expand(values, self.meta, self.n, self.m, self.in_features, keep=wants_grad)
+            return F.linear(x, weight.to(x.dtype), _cast(bias, x))
+        # 5. no kernel for this device, pattern or dtype
+        weight = self.dense_weight() if cache is False or compiling else self.cached_dense_weight()
+        return F.linear(x, weight.to(x.dtype), _cast(bias, x))
 
     # ------------------------------------------------------------------ conversions
     @classmethod

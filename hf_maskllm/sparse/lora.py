@@ -11,6 +11,17 @@ config it is given, so a ``LoraConfig`` for a compressed model goes through :fun
 
     peft_model = get_peft_model(model, register_lora(LoraConfig(r=16, target_modules=["q_proj"])))
 
+and so does loading a saved adapter onto a compressed model::
+
+    config = register_lora(LoraConfig.from_pretrained(adapter_dir))
+    peft_model = PeftModel.from_pretrained(model, adapter_dir, config=config)
+
+Without it PEFT refuses the layer ("Target module SparseLinear(...) is not supported"); what the layer
+shows of itself in that message names ``register_lora``.
+
+On a :class:`QuantizedSparseLinear` (int8 / int4 kept values) the adapter trains and runs the same
+way, but does not merge (that would round the kept values again).
+
 LoRA variants that cannot be restricted to the pattern (DoRA and the others PEFT implements as
 variants) are refused; mixed-adapter batches (``adapter_names=``) are refused.
 """
@@ -29,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from .format import decompress
 from .linear import SparseLinear
+from .quantized_linear import QuantizedSparseLinear
 
 __all__ = ["SparseLoraLinear", "register_lora"]
 
@@ -81,6 +93,12 @@ class SparseLoraLinear(LoraLinear):
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         base = self.get_base_layer()
+        if isinstance(base, QuantizedSparseLinear):
+            raise ConfigError(
+                f"cannot merge a LoRA adapter into the {base.value_type} kept values of a quantized layer (it would "
+                "round them again). Keep the adapter unmerged, or train it on the float compressed model (saved "
+                "without `values`), merge there, then save with values='int8' / 'int4'."
+            )
         for adapter in check_adapters_to_merge(self, adapter_names):
             if adapter not in self.lora_A:
                 continue
@@ -155,4 +173,6 @@ def register_lora(config: LoraConfig) -> LoraConfig:
     """
     if not (config._custom_modules or {}).get(SparseLinear):
         config._register_custom_module({SparseLinear: SparseLoraLinear})
+    if not (config._custom_modules or {}).get(QuantizedSparseLinear):
+        config._register_custom_module({QuantizedSparseLinear: SparseLoraLinear})
     return config

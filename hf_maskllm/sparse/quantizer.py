@@ -34,8 +34,26 @@ from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from ..serialization import verify_safetensors
 from .checkpoint import bind_save_pretrained, unbind_save_pretrained
-from .format import CHECKSUM_KEY, FORMAT_VERSION, QUANT_METHOD, validate
+from .format import (
+    CHECKSUM_KEY,
+    QUANT_METHOD,
+    QUANTIZED_FORMAT_VERSION,
+    VALUE_TYPES,
+    check_group_size,
+    validate,
+    validate_quantized,
+    value_bits,
+)
+from .int8_embedding import (
+    EMBEDDING_TYPES,
+    Int8Embedding,
+    Int8Linear,
+    dequantize_embeddings,
+    to_int8_embeddings,
+    validate_rows,
+)
 from .linear import SparseLinear, to_dense_layers
+from .quantized_linear import QuantizedSparseLinear, quantized_layer_names
 
 __all__ = ["NMSparseConfig", "NMSparseHfQuantizer", "register"]
 
@@ -50,7 +68,13 @@ class NMSparseConfig(QuantizationConfigMixin):
     Args:
         n, m: the N:M pattern (n kept of every m consecutive inputs).
         modules: names (as in ``model.named_modules()``) of the compressed layers.
-        format_version: version of :mod:`hf_maskllm.sparse.format` that wrote the tensors.
+        format_version: version of :mod:`hf_maskllm.sparse.format` that wrote the tensors: 1 (float
+            kept values) or 2 (int8 / int4 kept values).
+        values: version 2 only: ``"int8"`` or ``"int4"``, the value type of every compressed layer.
+        group_size: version 2 only: kept values per float16 scale.
+        embedding: version 2 only, optional: ``"int8"``, the output embedding (and the input embedding
+            tied to it) stored as int8 rows with one float16 scale per row. A version-2 config declares
+            ``values``, ``embedding`` or both.
     """
 
     def __init__(
@@ -58,7 +82,7 @@ class NMSparseConfig(QuantizationConfigMixin):
         n: int = 2,
         m: int = 4,
         modules: list[str] | None = None,
-        format_version: int = FORMAT_VERSION,
+        format_version: int = 1,
         **kwargs,
     ) -> None:
         self.quant_method = QUANT_METHOD
@@ -66,12 +90,41 @@ class NMSparseConfig(QuantizationConfigMixin):
             raise CheckpointError(
                 f"quantization_config.format_version must be a positive int, got {format_version!r}; {_FIX}"
             )
-        if format_version > FORMAT_VERSION:
+        if format_version > QUANTIZED_FORMAT_VERSION:
             raise CheckpointError(
                 f"This checkpoint uses compressed N:M format version {format_version} (config.json "
                 "quantization_config.format_version), but this hf_maskllm reads "
-                f"up to version {FORMAT_VERSION}. Upgrade hf_maskllm (`pip install -U hf_maskllm`)."
+                f"up to version {QUANTIZED_FORMAT_VERSION}. Upgrade hf_maskllm (`pip install -U hf_maskllm`)."
             )
+        values, group_size = kwargs.pop("values", None), kwargs.pop("group_size", None)
+        embedding = kwargs.pop("embedding", None)
+        if format_version < QUANTIZED_FORMAT_VERSION and (
+            values is not None or group_size is not None or embedding is not None
+        ):
+            raise CheckpointError(
+                f"quantization_config declares values={values!r} / group_size={group_size!r} / embedding={embedding!r}, "
+                f"which only format version {QUANTIZED_FORMAT_VERSION} has, but its format_version is {format_version}; {_FIX}"
+            )
+        if embedding is not None:
+            if embedding not in EMBEDDING_TYPES:
+                raise CheckpointError(
+                    f"quantization_config.embedding must be one of {list(EMBEDDING_TYPES)}, got {embedding!r}; {_FIX}"
+                )
+            self.embedding = embedding
+        if format_version >= QUANTIZED_FORMAT_VERSION and (
+            values is not None or group_size is not None or embedding is None
+        ):
+            if values not in VALUE_TYPES:
+                raise CheckpointError(
+                    f"quantization_config.values must be one of {list(VALUE_TYPES)} in format version "
+                    f"{format_version}, got {values!r}; {_FIX}"
+                )
+            if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+                raise CheckpointError(
+                    f"quantization_config.group_size must be a positive int in format version {format_version}, "
+                    f"got {group_size!r}; {_FIX}"
+                )
+            self.values, self.group_size = values, group_size
         try:
             check_nm_args(n, m)
         except ConfigError as e:
@@ -142,6 +195,27 @@ class NMSparseHfQuantizer(HfQuantizer):
             entries.update(found)
         return entries
 
+    def _check_quantized_dtypes(
+        self, entries: dict[str, tuple[str, list[int], int]], model: torch.nn.Module
+    ) -> None:
+        """Version 2: every quantized tensor is stored with the format's dtype (transformers would cast it)."""
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        values = self.quantization_config.values
+        wanted = {"qvalues": "I8" if values == "int8" else "U8", "scales": "F16"}
+        for name in quantized_layer_names(model):
+            for leaf, dtype in wanted.items():
+                key = f"{name}.{leaf}"
+                found = next(
+                    (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in entries),
+                    None,
+                )
+                if found is not None and entries[found][0] != dtype:
+                    raise CheckpointError(
+                        f"{self._source}: {found} is stored as {entries[found][0]}, but config.json declares {values} values "
+                        f"(format version 2: qvalues {wanted['qvalues']}, scales F16); the tensors do not match the value "
+                        f"type. {_FIX}"
+                    )
+
     def _check_keys(self, entries: dict[str, tuple[str, list[int], int]], model: torch.nn.Module) -> None:
         """Every tensor the model needs is in the files with its shape; no compressed tensor is left over.
 
@@ -186,7 +260,9 @@ class NMSparseHfQuantizer(HfQuantizer):
                 f"{self._source}: {len(mismatched)} tensor(s) of the compressed checkpoint do not fit this {type(model).__name__}, "
                 f"e.g. {mismatched[:3]}; {_FIX}"
             )
-        stray = sorted(k for k in set(entries) - used if k.endswith((".values", ".meta")))
+        stray = sorted(
+            k for k in set(entries) - used if k.endswith((".values", ".meta", ".qvalues", ".scales"))
+        )
         if stray:
             raise CheckpointError(
                 f"{self._source}: the checkpoint holds compressed tensors of modules that quantization_config.modules does not "
@@ -197,6 +273,7 @@ class NMSparseHfQuantizer(HfQuantizer):
         cfg = self.quantization_config
         entries = self._verify_files(kwargs.get("checkpoint_files"))
         prefix = f"{getattr(model, 'base_model_prefix', '')}."
+        quantized = getattr(cfg, "values", None) is not None
         for name in cfg.modules:
             local = name
             try:
@@ -224,19 +301,59 @@ class NMSparseHfQuantizer(HfQuantizer):
                 )
             dtype = module.weight.dtype
             with torch.device("meta"):
-                sparse = SparseLinear(
-                    in_features,
-                    out_features,
-                    cfg.n,
-                    cfg.m,
-                    module.bias is not None,
-                    dtype=dtype,
-                    conv1d=is_conv1d(module),
-                )
+                if quantized:
+                    bits = value_bits(cfg.values)
+                    try:
+                        check_group_size(in_features * cfg.n // cfg.m, bits, cfg.group_size, name)
+                    except ConfigError as e:
+                        raise CheckpointError(f"quantization_config: {e} {_FIX}") from None
+                    sparse = QuantizedSparseLinear(
+                        in_features,
+                        out_features,
+                        cfg.n,
+                        cfg.m,
+                        bits,
+                        cfg.group_size,
+                        module.bias is not None,
+                        dtype=dtype,
+                        conv1d=is_conv1d(module),
+                    )
+                else:
+                    sparse = SparseLinear(
+                        in_features,
+                        out_features,
+                        cfg.n,
+                        cfg.m,
+                        module.bias is not None,
+                        dtype=dtype,
+                        conv1d=is_conv1d(module),
+                    )
             model.set_submodule(local, sparse)
+        if getattr(cfg, "embedding", None) is not None:
+            out_name, in_name = to_int8_embeddings(model, quantize=False)
+            if entries is not None:
+                self._check_int8_dtypes(entries, model, in_name or out_name)
         if entries is not None:
+            if quantized:
+                self._check_quantized_dtypes(entries, model)
             self._check_keys(entries, model)
         return model
+
+    def _check_int8_dtypes(
+        self, entries: dict[str, tuple[str, list[int], int]], model: torch.nn.Module, name: str
+    ) -> None:
+        """The int8 output embedding is stored as int8 codes and float16 scales (transformers would cast them)."""
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        for leaf, dtype in (("qweight", "I8"), ("scales", "F16")):
+            key = f"{name}.{leaf}"
+            found = next(
+                (k for k in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")) if k in entries), None
+            )
+            if found is not None and entries[found][0] != dtype:
+                raise CheckpointError(
+                    f"{self._source}: {found} is stored as {entries[found][0]}, but config.json declares an int8 output "
+                    f"embedding ({leaf} {dtype}); {_FIX}"
+                )
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """Verify after reading: every compressed module holds a well-formed N:M pair of finite values."""
@@ -260,6 +377,32 @@ class NMSparseHfQuantizer(HfQuantizer):
                     raise CheckpointError(
                         f"{where}: {name}.values holds NaN or inf; the checkpoint is corrupt. Save or download it again."
                     )
+            elif isinstance(module, QuantizedSparseLinear):
+                try:
+                    validate_quantized(
+                        module.qvalues,
+                        module.scales,
+                        module.meta,
+                        cfg.n,
+                        cfg.m,
+                        module.bits,
+                        module.group_size,
+                        module.in_features,
+                        module.out_features,
+                        name,
+                    )
+                except CheckpointError as e:
+                    raise CheckpointError(f"{where}: {e}") from None
+            elif isinstance(module, (Int8Embedding, Int8Linear)) and not getattr(module, "tied", False):
+                shape = (
+                    (module.num_embeddings, module.embedding_dim)
+                    if isinstance(module, Int8Embedding)
+                    else (module.out_features, module.in_features)
+                )
+                try:
+                    validate_rows(module.qweight, module.scales, *shape, name)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{where}: {e}") from None
         bind_save_pretrained(model)
         return model
 
@@ -283,9 +426,18 @@ class NMSparseHfQuantizer(HfQuantizer):
         # Lets `Trainer` train the compressed model without adapters (what transformers calls QAT).
         return True
 
+    @property
+    def is_compileable(self) -> bool:
+        # The kernels are registered torch ops: `generate` may compile the forward (static cache).
+        return True
+
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        """Replace every :class:`SparseLinear` by its dense layer (zeros kept); ``model.dequantize()`` calls it."""
+        """Replace every :class:`SparseLinear` / :class:`QuantizedSparseLinear` by its dense layer (zeros kept;
+        int8 / int4 values dequantized); ``model.dequantize()`` calls it."""
         unbind_save_pretrained(model)
+        dequantize_embeddings(model)
+        for name in quantized_layer_names(model):
+            model.set_submodule(name, model.get_submodule(name).to_dense())
         return to_dense_layers(model)
 
 

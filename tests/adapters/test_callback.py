@@ -50,7 +50,7 @@ def test_callback_anneals_tau_kappa_and_regulariser_per_optimizer_step(
     layer.register_forward_pre_hook(
         lambda mod, args: (
             seen.append((mod.schedule.tau, mod.schedule.kappa, mod.schedule.sparse_reg_weight))
-            if mod.training
+            if mod.training and not mod.schedule.masks_disabled  # the masked passes, not the unmasked one
             else None
         )
     )
@@ -97,13 +97,17 @@ def test_every_layer_reads_the_one_schedule_the_callback_updates(tmp_path):
     mm = get_mask_model(tiny_llama(), MaskConfig(tau=(4.0, 1.0), sparse_reg=1e-3))
     schedule = mm.schedule
     assert all(layer.schedule is schedule for layer in mm.masked_layers().values())
-    assert not schedule.driven and schedule.last_reg_loss is None
+    assert not schedule.driven and schedule.progress is None and mm.last_losses == {}
     read: list[
         tuple[int, float]
     ] = []  # (id of the schedule a layer reads, its tau) in every training forward
     for layer in mm.masked_layers().values():
         layer.register_forward_pre_hook(
-            lambda mod, args: read.append((id(mod.schedule), mod.schedule.tau)) if mod.training else None
+            lambda mod, args: (
+                read.append((id(mod.schedule), mod.schedule.tau))
+                if mod.training and not mod.schedule.masks_disabled
+                else None
+            )
         )
     values: list[float] = []  # outputs.sparse_reg_loss of every training forward
     mm.register_forward_hook(
@@ -117,6 +121,7 @@ def test_every_layer_reads_the_one_schedule_the_callback_updates(tmp_path):
     )
     trainer.train()
     assert mm.schedule is schedule and schedule.driven and schedule.reg_divisor == 2
+    assert schedule.progress == pytest.approx(2 / 3)  # the last step's
     assert {i for i, _ in read} == {id(schedule)}
     layers = len(mm.masked_layers())
     taus = [tau for _, tau in read][::layers]  # one per forward
@@ -124,7 +129,10 @@ def test_every_layer_reads_the_one_schedule_the_callback_updates(tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(values) == 6 and all(v < 0 for v in values)
     assert [h["sparse_reg_loss"] for h in logs] == pytest.approx(values[1::2])  # the step's last micro-batch
-    assert float(schedule.last_reg_loss) == pytest.approx(values[-1])
+    assert float(mm.last_losses["sparse_reg_loss"]) == pytest.approx(
+        values[-1]
+    )  # on the model, not the schedule
+    assert [h["tau"] for h in logs] == pytest.approx([4.0, 3.0, 2.0])  # what the schedule held in each step
 
 
 def test_regulariser_divisor_covers_accumulation_and_processes():
@@ -212,7 +220,8 @@ def test_callback_flip_rate_and_max_prob_match_a_manual_computation(tmp_path, co
     total = sum(v.numel() for v in before.values())
     assert changed > 0
     assert callback.last_flip_rate == pytest.approx(changed / total)
-    kappa = callback.kappa
+    kappa = mm.schedule.kappa  # the callback keeps no copy
+    assert not hasattr(callback, "kappa") and not hasattr(callback, "tau")
     probs = torch.cat(
         [
             (kappa * layer.mask_logits.detach().float()).softmax(-1).amax(-1)

@@ -121,13 +121,12 @@ def test_the_objective_on_a_tiny_model_matches_a_hand_computation(build, bf16, t
     out.loss.backward()
     assert fused == [1] and "_loss_function" not in vars(distilling.base_model)  # and its own is back
 
-    # by hand: the dense model without masks (eval mode), the masked model's own outputs
-    with torch.no_grad(), plain.disable_masks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        plain.eval()
-        teacher = plain(input_ids=ids, output_hidden_states=True)
-        plain.train()
-    assert teacher.logits.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    # by hand: the dense model without masks (in the model's training mode: GPT-2's dropout applies, drawn
+    # in the same order), the masked model's own outputs
     torch.manual_seed(7)
+    with torch.no_grad(), plain.disable_masks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        teacher = plain(input_ids=ids, output_hidden_states=True, use_cache=False)
+    assert teacher.logits.dtype == (torch.bfloat16 if bf16 else torch.float32)
     student = plain(input_ids=ids, labels=labels, output_hidden_states=True)
     valid = predicted_positions(labels)
     kl = logit_distillation(student.logits, teacher.logits, valid, temperature)
@@ -562,14 +561,12 @@ def test_the_kl_is_computed_apart_where_the_loss_cannot_carry_it(case, monkeypat
     torch.manual_seed(9)
     out = distilling(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert calls == ([1] if case == "loss-on-other-logits" else [])  # called, it handed over to the model's
+    assert calls == []  # not a model whose loss the fused pass can carry: the KL computed apart
     if case == "own-loss":
         assert distilling.base_model.loss_function is _own_loss
-    with torch.no_grad(), plain.disable_masks():
-        plain.eval()
-        teacher = plain(input_ids=ids)
-        plain.train()
     torch.manual_seed(9)
+    with torch.no_grad(), plain.disable_masks():
+        teacher = plain(input_ids=ids)
     student = plain(input_ids=ids, labels=ids)
     kl = logit_distillation(student.logits, teacher.logits, predicted_positions(ids))
     (fields["lm_weight"] * student.loss + 0.7 * kl).backward()
@@ -607,28 +604,26 @@ def test_the_fused_loss_of_16_bit_logits_has_a_gradient_of_their_dtype_within_it
         assert abs(bias.item()) < 2e-4, bias  # rounding the scale to bfloat16 would shift every entry 2e-3
 
 
-def test_the_models_loss_function_is_put_back_after_an_error_and_a_second_call_is_its_own():
+def test_the_fused_loss_is_computed_beside_the_model_which_keeps_its_loss_function():
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     model = tiny_llama()
     gen = torch.Generator().manual_seed(43)
-    logits = torch.randn(2, 6, model.config.vocab_size, generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen)
+    with torch.no_grad():
+        outputs = model(input_ids=ids)
     teacher = type("Teacher", (), {"logits": torch.randn(2, 6, model.config.vocab_size, generator=gen)})()
     labels = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen)
     config = MaskConfig(distill_logits=1.0)
-    with (
-        pytest.raises(ValueError, match="in the forward"),
-        objective.fused_lm_loss(model, teacher, config) as fused,
-    ):
-        assert model.loss_function is fused
-        raise ValueError("in the forward")
-    assert "_loss_function" not in vars(model) and model.loss_function is ForCausalLMLoss
-    with objective.fused_lm_loss(model, teacher, config) as fused:
-        first = model.loss_function(logits, labels, model.config.vocab_size)
-        kl = fused.kl
-        second = model.loss_function(logits, labels, model.config.vocab_size)
-    expected = ForCausalLMLoss(logits, labels, model.config.vocab_size)
-    assert first.item() == pytest.approx(expected.item(), rel=1e-6) and fused.kl is kl and kl > 0
-    assert torch.equal(second, expected)  # the model's own, with no second KL in its gradient
-    with objective.fused_lm_loss(model, teacher, MaskConfig(distill_logits=1.0, lm_weight=0.0)) as fused:
-        assert fused is None and model.loss_function is ForCausalLMLoss
+    assert objective.fuses_logit_kl(model, teacher, config)
+    with_loss, fused = objective.fused_lm_loss(outputs, teacher, config, {"labels": labels})
+    expected = ForCausalLMLoss(outputs.logits, labels, model.config.vocab_size)
+    assert with_loss.loss.item() == pytest.approx(expected.item(), rel=1e-6) and fused.kl > 0
+    assert (
+        list(with_loss.keys())[0] == "loss" and with_loss.to_tuple()[0] is with_loss.loss
+    )  # first, as the model's
+    assert fused.teacher is None  # the teacher's logits are not kept
+    assert "_loss_function" not in vars(model) and model.loss_function is ForCausalLMLoss  # never replaced
+    assert not objective.fuses_logit_kl(model, teacher, MaskConfig(distill_logits=1.0, lm_weight=0.0))
+    model.config.output_router_logits = True  # a router loss is added to the model's own: not fused
+    assert not objective.fuses_logit_kl(model, teacher, config)

@@ -13,7 +13,8 @@ from models import single_thread, tiny_gpt2, tiny_llama  # noqa: F401  (autouse 
 from torch import nn
 
 from hf_maskllm import MaskConfig, MaskModel, get_mask_model
-from hf_maskllm.adapters.reference_file import REFERENCE_NAME, find_reference_file
+from hf_maskllm.adapters.mask_source import open_mask_source
+from hf_maskllm.adapters.reference_file import REFERENCE_NAME
 from hf_maskllm.errors import ConfigError, MaskFileError
 from hf_maskllm.modules import dense_weight_view, is_conv1d, is_linear
 from hf_maskllm.patterns import candidate_patterns
@@ -135,7 +136,7 @@ def test_a_hub_repo_holding_the_reference_file(tmp_path, local_hub):
     assert_masks_equal(prior.hard_masks(), layer_masks(masks, model))
     # an hf_maskllm repo is still read as one
     mm.push_to_hub("user/ours")
-    assert find_reference_file("user/ours") is None
+    assert open_mask_source("user/ours").format == "hf_maskllm"
 
 
 def test_load_mask_adds_a_reference_mask_beside_others(tmp_path):
@@ -177,7 +178,7 @@ def test_save_npz_replaces_an_earlier_save_in_the_other_format(tmp_path):
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [REFERENCE_NAME]
     mm.save_pretrained(tmp_path / "m")
     assert REFERENCE_NAME not in {p.name for p in (tmp_path / "m").iterdir()}
-    assert find_reference_file(tmp_path / "m") is None
+    assert open_mask_source(tmp_path / "m").format == "hf_maskllm"
 
 
 def test_save_npz_refuses_logits_a_merged_save_and_an_unknown_format(tmp_path):

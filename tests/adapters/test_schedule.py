@@ -3,6 +3,7 @@ owns and its masked layers read (tau, kappa, the regulariser, compiled or recomp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from models import single_thread, tiny_llama  # noqa: F401  (autouse fixture)
 
 from hf_maskllm import MaskAnnealCallback, MaskConfig, get_mask_model
 from hf_maskllm.adapters import MaskSchedule
-from hf_maskllm.adapters.schedule import schedule_value
+from hf_maskllm.adapters.schedule import annealed_values, schedule_value
 from hf_maskllm.errors import ConfigError
 from hf_maskllm.numerics import fused_linear
 
@@ -82,6 +83,27 @@ def test_set_schedule_values_updates_the_schedule_every_layer_reads():
     assert (mm.schedule.tau, mm.schedule.kappa, mm.schedule.sparse_reg_weight) == (1.0, 300.0, 1e-4)
     other = get_mask_model(tiny_llama(), MaskConfig())
     assert other.schedule is not mm.schedule and other.schedule.tau == 2.0  # one schedule per model
+
+
+@pytest.mark.parametrize("kinds", [("linear", "linear"), ("cosine", "exponential")])
+def test_one_function_computes_the_schedule_from_the_progress_and_the_config(kinds):
+    """``annealed_values`` is the annealing policy; ``set_schedule_progress`` (what the callback calls) writes
+    exactly its values, and the schedule holds settings only (no per-step outputs)."""
+    config = MaskConfig(tau=(4.0, 0.05), kappa=(100.0, 500.0), tau_schedule=kinds[0], kappa_schedule=kinds[1],
+                        sparse_reg=1e-3)  # fmt: skip
+    mm = get_mask_model(tiny_llama(), config)
+    for progress in (0.0, 0.25, 0.5, 1.0):
+        expected = {
+            "tau": schedule_value(4.0, 0.05, progress, kinds[0]),
+            "kappa": schedule_value(100.0, 500.0, progress, kinds[1]),
+            "sparse_reg_weight": 1e-3 * (1.0 - progress),
+        }
+        assert annealed_values(config, progress) == expected
+        mm.set_schedule_progress(progress)
+        held = {name: getattr(mm.schedule, name) for name in expected}
+        assert held == expected and mm.schedule.progress == progress and mm.schedule.driven
+    fields = {f.name for f in dataclasses.fields(MaskSchedule)}
+    assert not fields & {"last_reg_loss", "last_objective_terms"}  # outputs live on the model
 
 
 def test_compiled_sampling_is_per_model_and_restored_after_training():

@@ -102,3 +102,25 @@ def test_decompress_is_exact_on_the_gpu(dtype):
     g = torch.Generator().manual_seed(3)
     values, meta, dense = ref_compress(torch.randn(1000, 2056, generator=g).to(dtype), 2, 4)
     assert torch.equal(nm_decompress_24(values.cuda(), meta.cuda(), 2056).cpu(), dense)
+
+
+@pytest.mark.parametrize("values", ["float", "int8"])
+def test_compiled_static_cache_generation_on_the_gpu(values):
+    # the registered op's CUDA route (Triton; int8 codes dequantized first) under torch.compile: one
+    # graph for the prefill and one for the decode step, the eager greedy tokens
+    from test_compile import compressed_llama
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = compressed_llama(BF16, values).cuda()
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3)).cuda()
+    kwargs = dict(
+        max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static"
+    )
+    with torch.no_grad():
+        eager = model.generate(prompt, **kwargs)
+        counter = CompileCounterWithBackend("aot_eager")  # the same kernels as eager: equal tokens
+        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+        got = [model.generate(prompt, **kwargs) for _ in range(2)]
+    assert counter.frame_count == 2
+    assert all(torch.equal(g, eager) for g in got)

@@ -139,7 +139,7 @@ def test_load_rejects_future_version_and_corrupt_meta(tmp_path):
     save_compressed(model, tmp_path / "c")
     cfg_path = tmp_path / "c" / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"]["format_version"] = 2
+    cfg["quantization_config"]["format_version"] = 3
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="Upgrade hf_maskllm"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c")

@@ -80,9 +80,9 @@ def test_float64_and_autocast_take_the_dense_routes():
 
 
 def test_without_cpu_kernels_the_cached_route_runs(monkeypatch):
-    import hf_maskllm.sparse.linear as linear_module
+    import hf_maskllm.kernels.route as route
 
-    monkeypatch.setattr(linear_module, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(route, "cpu_kernels", lambda: None)
     dense = nm_linear(16, 32, 2, 4, torch.float32)
     sparse = SparseLinear.from_dense(dense, 2, 4)
     x = torch.randn(3, 32)

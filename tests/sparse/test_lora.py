@@ -11,7 +11,13 @@ from transformers import AutoModelForCausalLM
 
 from hf_maskllm import MaskConfig, check_nm, get_mask_model
 from hf_maskllm.errors import ConfigError, TargetError
-from hf_maskllm.sparse import SparseLinear, SparseLoraLinear, register_lora, save_compressed
+from hf_maskllm.sparse import (
+    QuantizedSparseLinear,
+    SparseLinear,
+    SparseLoraLinear,
+    register_lora,
+    save_compressed,
+)
 
 TARGETS = {
     "llama": ["q_proj", "v_proj", "up_proj", "down_proj"],
@@ -154,5 +160,5 @@ def test_register_lora_maps_the_sparse_layer_in_that_config_only(tmp_path):
     with pytest.raises(ValueError, match=r"SparseLinear.*is not supported"):
         get_peft_model(loaded_compressed("llama", tmp_path / "c"), plain)
     config = register_lora(register_lora(LoraConfig(r=2, target_modules=["q_proj"])))  # idempotent
-    assert config._custom_modules == {SparseLinear: SparseLoraLinear}
+    assert config._custom_modules == {SparseLinear: SparseLoraLinear, QuantizedSparseLinear: SparseLoraLinear}
     assert "_custom_modules" not in config.to_dict()  # nothing of it is saved with an adapter

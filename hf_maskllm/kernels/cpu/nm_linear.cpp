@@ -614,12 +614,32 @@ int64_t set_isa(int64_t level) {
 
 int64_t isa() { return current_isa(); }
 
+// nm_linear_quant.cpp: int8 / int4 kept values (format version 2).
+at::Tensor nm_linear_q(const at::Tensor& x, const at::Tensor& qvalues, const at::Tensor& scales, const at::Tensor& meta,
+                       int64_t n, int64_t m, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
+at::Tensor nm_expand_q(const at::Tensor& qvalues, const at::Tensor& scales, const at::Tensor& meta, int64_t n,
+                       int64_t m, int64_t bits, int64_t group_size, int64_t in_features, at::Tensor dense);
+std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size);
+// int8_linear.cpp: a dense layer stored as int8 codes with one float16 scale per row.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
+std::string int8_linear_route();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The kernels touch no Python object: other Python threads run meanwhile.
   module.def("nm_linear", &nm_linear, "N:M sparse linear from the compressed weight (decode, small batches)",
              py::call_guard<py::gil_scoped_release>());
   module.def("nm_expand", &nm_expand, "Expand the compressed weight into a dense buffer",
              py::call_guard<py::gil_scoped_release>());
+  module.def("nm_linear_q", &nm_linear_q, "N:M sparse linear from int8 / int4 kept values (decode, small batches)",
+             py::call_guard<py::gil_scoped_release>());
+  module.def("nm_expand_q", &nm_expand_q, "Dequantize the compressed int8 / int4 weight into a dense buffer",
+             py::call_guard<py::gil_scoped_release>());
+  module.def("nm_linear_q_route", &nm_linear_q_route,
+             "Which nm_linear_q route runs for (n, m, group_size): 'vnni', 'avx2' or 'scalar'");
+  module.def("int8_linear", &int8_linear, "Dense linear from int8 codes with one scale per row (decode)",
+             py::call_guard<py::gil_scoped_release>());
+  module.def("int8_linear_route", &int8_linear_route, "Which int8_linear route runs: 'vnni', 'avx2' or 'scalar'");
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");
   module.def("isa", &isa, "The instruction-set level in use");
 }

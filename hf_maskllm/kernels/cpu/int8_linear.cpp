@@ -1,0 +1,284 @@
+// Dense int8 linear on CPU, for a layer kept dense but stored as 8-bit codes (the output embedding):
+//
+//   qweight int8 [out, in]  codes in [-127, 127]
+//   scales  float16 [out]   row r of the weight is scales[r] * qweight[r]
+//
+//   int8_linear(x [T, in], qweight, scales, bias?) -> y [T, out] in x's dtype (decode, small batches)
+//
+// Routes, by instruction set (nm_linear.cpp's set_isa):
+// - AVX-512 with VNNI: the inputs are rounded once per call to 8-bit codes, one float32 scale per 32
+//   inputs and token (absmax / 127, round to nearest), stored as u8 = code + 128. Per 64 inputs: one
+//   vpdpbusd per token sums four byte products into each of 16 int32 lanes, starting from -128 x the
+//   sum of the lane's weight codes (computed once per block), then float32 times the input scale.
+// - AVX2: the inputs stay float32; 8 codes widened per step, one FMA per token.
+// - Scalar: exact float32 arithmetic.
+// Each row is summed by one thread in a fixed order: results do not depend on the thread count.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
+#define HF_MASKLLM_X86 1
+#include <immintrin.h>
+#else
+#define HF_MASKLLM_X86 0
+#endif
+
+int64_t isa();  // nm_linear.cpp: the instruction-set level in use (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)
+
+namespace {
+
+constexpr int kAvx2 = 1, kAvx512 = 2;
+constexpr int kTokenBlock = 8;      // tokens per row pass (VNNI)
+constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
+constexpr int kPrefetchBytes = 1024;
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+#if HF_MASKLLM_X86
+bool has_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512vnni"));
+  }();
+  return has;
+}
+#else
+bool has_vnni() { return false; }
+#endif
+
+enum Route : int { kRouteScalar = 0, kRouteAvx2 = 1, kRouteVnni = 2 };
+
+Route int8_route() {
+  const int level = static_cast<int>(isa());
+  if (level >= kAvx512 && has_vnni()) return kRouteVnni;
+  return level >= kAvx2 ? kRouteAvx2 : kRouteScalar;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+template <typename Fn>
+void with_token_block(int64_t tb, Fn&& fn) {
+  switch (tb) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+void row_scalar(const int8_t* q, const float* xf, int64_t K, int64_t tokens, float* acc) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    float sum = 0.f;
+    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(q[k]) * xf[t * K + k];
+    acc[t] = sum;
+  }
+}
+
+#if HF_MASKLLM_X86
+TARGET_AVX2 inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// xf: float32 [T, Kp] zero-padded (Kp a multiple of 8); codes read 8 at a time, the row's tail through a copy.
+template <int TB>
+TARGET_AVX2 void row_avx2(const int8_t* q, int64_t K, const float* xf, int64_t Kp, float* acc_out) {
+  __m256 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    int64_t word = 0;
+    if (K - k >= 8) {
+      std::memcpy(&word, q + k, 8);
+    } else {
+      std::memcpy(&word, q + k, K - k);  // the row's tail: zero codes past it
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(word)));
+    for (int t = 0; t < TB; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xf + t * Kp + k), acc[t]);
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(acc[t]);
+}
+
+// Inputs per token and 32 inputs: xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 64, 16] (the scale
+// of each int32 lane's four inputs: lanes 0-7 the first 32 of a block of 64, lanes 8-15 the second).
+void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, uint8_t* xu, float* xs) {
+  std::memset(xu, 128, tokens * Kp);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t c0 = 0; c0 < Kp; c0 += 32) {
+      const float* xr = xf + t * K;
+      const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(32, K - c0));
+      float amax = 0.f;
+      for (int64_t c = 0; c < cnt; ++c) amax = std::max(amax, std::fabs(xr[c0 + c]));
+      float scale = amax / 127.f;
+      if (amax == 0.f || !std::isfinite(amax)) {
+        scale = amax;  // zeros (or inf / NaN: no code can hold them)
+      } else {
+        const float inv = 127.f / amax;
+        for (int64_t c = 0; c < cnt; ++c) {
+          const float r = std::nearbyint(xr[c0 + c] * inv);
+          xu[t * Kp + c0 + c] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + 128);
+        }
+      }
+      float* dst = xs + t * (Kp / 64) * 16 + (c0 / 64) * 16 + ((c0 / 32) % 2) * 8;
+      for (int l = 0; l < 8; ++l) dst[l] = scale;
+    }
+  }
+}
+
+template <int TB>
+TARGET_VNNI void row_vnni(const int8_t* q, int64_t K, const uint8_t* xu, const float* xs, int64_t Kp,
+                          float* acc_out) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t xs_stride = Kp / 64 * 16;
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;  // zero codes past the row
+    const __m512i w = _mm512_maskz_loadu_epi8(mask, q + k);
+    _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i start =
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w));
+    for (int t = 0; t < TB; ++t) {
+      const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(xu + t * Kp + k), w);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xs + t * xs_stride + k / 4), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif  // HF_MASKLLM_X86
+
+template <typename T>
+void int8_linear_impl(const T* xp, int64_t tokens, int64_t K, const int8_t* qp, const c10::Half* sp, int64_t out,
+                      const T* bp, T* yp) {
+  const Route route = int8_route();
+  std::vector<float> xf_buf;
+  const float* xf;
+  if constexpr (std::is_same<T, float>::value) {
+    xf = xp;
+  } else {
+    xf_buf.resize(tokens * K);
+    for (int64_t i = 0; i < tokens * K; ++i) xf_buf[i] = to_float(xp[i]);
+    xf = xf_buf.data();
+  }
+  int64_t Kp = K;
+  std::vector<float> xpad, xs;
+  std::vector<uint8_t> xu;
+#if HF_MASKLLM_X86
+  if (route == kRouteVnni) {  // 64 more columns keep the tokens' rows out of one another's L1 sets
+    Kp = round_up(K, 64) + 64;
+    xu.resize(tokens * Kp);
+    xs.resize(tokens * (Kp / 64) * 16);
+    quantize_inputs(xf, tokens, K, Kp, xu.data(), xs.data());
+  } else if (route == kRouteAvx2) {
+    Kp = round_up(K, 8) + 32;
+    xpad.assign(tokens * Kp, 0.f);
+    for (int64_t t = 0; t < tokens; ++t) std::memcpy(&xpad[t * Kp], xf + t * K, K * sizeof(float));
+  }
+#endif
+  const int64_t block = route == kRouteVnni ? kTokenBlock : kAvx2TokenBlock;
+  at::parallel_for(0, out, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    float acc[kTokenBlock];
+    std::vector<float> acc_all;
+    if (route == kRouteScalar) acc_all.resize(tokens);
+    for (int64_t r = begin; r < end; ++r) {
+      const int8_t* q = qp + r * K;
+      const float scale = static_cast<float>(sp[r]);
+      const float bias_r = bp ? to_float(bp[r]) : 0.f;
+      if (route == kRouteScalar) {
+        row_scalar(q, xf, K, tokens, acc_all.data());
+        for (int64_t t = 0; t < tokens; ++t) yp[t * out + r] = static_cast<T>(acc_all[t] * scale + bias_r);
+        continue;
+      }
+      for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+        const int64_t tb = std::min<int64_t>(block, tokens - t0);
+#if HF_MASKLLM_X86
+        with_token_block(tb, [&](auto tokens_in_pass) {
+          constexpr int TB = decltype(tokens_in_pass)::value;
+          if (route == kRouteVnni) {
+            row_vnni<TB>(q, K, xu.data() + t0 * Kp, xs.data() + t0 * (Kp / 64) * 16, Kp, acc);
+          } else if constexpr (TB <= kAvx2TokenBlock) {
+            row_avx2<TB>(q, K, xpad.data() + t0 * Kp, Kp, acc);
+          }
+        });
+#endif
+        for (int64_t t = 0; t < tb; ++t) yp[(t0 + t) * out + r] = static_cast<T>(acc[t] * scale + bias_r);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int8_linear: x must be a CPU tensor [..., in]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(qweight.device().is_cpu() && scales.device().is_cpu(), "int8_linear: tensors must be on the CPU");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar &&
+                  qweight.size(1) == K,
+              "int8_linear: qweight must be contiguous int8 [out, ", K, "] (x's last dimension)");
+  const int64_t out = qweight.size(0);
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.size(0) == out,
+              "int8_linear: scales must be contiguous float16 [", out, "]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->numel() == out &&
+                    bias->scalar_type() == x.scalar_type(),
+                "int8_linear: bias must be contiguous [out] in x's dtype");
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  if (K == 0 || x.numel() == 0 || out == 0) {
+    at::Tensor y = at::zeros(shape, x.options());
+    return has_bias ? y.add_(*bias) : y;
+  }
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t tokens = x.numel() / K;
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  switch (x.scalar_type()) {
+#define HF_MASKLLM_INT8(scalar_t)                                                                          \
+  int8_linear_impl<scalar_t>(x.data_ptr<scalar_t>(), tokens, K, qp, sp, out,                               \
+                             has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>());     \
+  return y;
+    case at::kFloat: HF_MASKLLM_INT8(float)
+    case at::kBFloat16: HF_MASKLLM_INT8(c10::BFloat16)
+    case at::kHalf: HF_MASKLLM_INT8(c10::Half)
+#undef HF_MASKLLM_INT8
+    default: TORCH_CHECK(false, "int8_linear: x must be float32, bfloat16 or float16");
+  }
+}
+
+std::string int8_linear_route() {
+  switch (int8_route()) {
+    case kRouteVnni: return "vnni";
+    case kRouteAvx2: return "avx2";
+    default: return "scalar";
+  }
+}

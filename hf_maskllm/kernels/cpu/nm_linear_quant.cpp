@@ -1,0 +1,662 @@
+// N:M sparse linear on CPU with int8 / int4 kept values (hf_maskllm.sparse.format, version 2).
+//
+//   qvalues  int8 [out, kept] (8 bits), or uint8 [out, kept / 2] (4 bits: code j in byte j / 2, low
+//            nibble for even j, high for odd j, stored as code + 8)
+//   scales   float16 [out, kept / group_size]: kept value j of a row is scales[row, j / group_size] * code
+//   meta     uint8, as in version 1 (b = ceil(log2 m) bits per kept value, little-endian)
+//
+// Two entry points, multi-threaded over output rows (each row summed by one thread in a fixed order,
+// so results do not depend on the thread count):
+//
+//   nm_linear_q(x [T, in], qvalues, scales, meta, n, m, bits, group_size, bias?) -> y [T, out]
+//     Decode. Three routes, by instruction set and pattern:
+//     - AVX-512 with VNNI and VBMI, 2:4, group_size 8, 16, 32 or a multiple of 64: the inputs are
+//       quantized once per call to 8 bits, one float32 scale per 32 inputs and token (round to nearest,
+//       scale = absmax / 127, as llama.cpp's Q8_0 does for its activations). Per block of 64 kept values
+//       (128 inputs): vpmultishiftqb + and + add turn 16 meta bytes into 64 byte indices, vpermt2b
+//       gathers the 64 inputs they multiply, vpdpbusd sums four byte products per int32 lane, and the
+//       lane goes to float32 times (weight scale x input scale). Inputs are stored as u8 = q + 128 (the
+//       unsigned operand); the int32 lanes start at -128 * (sum of the lane's codes), computed once per
+//       row block, so no per-token correction is needed.
+//     - AVX2 (and AVX-512 where the route above does not apply), 2:4, group_size a multiple of 8: the
+//       inputs stay in float32; 8 codes are widened, scaled, and meet the inputs picked by two vpermps
+//       and a blend in an FMA.
+//     - Scalar: any N:M, any group size: exact float32 arithmetic, not fast.
+//   nm_expand_q(qvalues, scales, meta, n, m, bits, group_size, in_features, dense [out, in]) -> dense
+//     Prefill: the dequantized dense weight (float32, bfloat16 or float16, rounded to nearest even once),
+//     then a dense GEMM. 2:4 on AVX-512: 16 codes dequantized per step, placed by vpexpandd / vpexpandw.
+//
+// The instruction set in use is the one nm_linear.cpp's set_isa chose.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
+#define HF_MASKLLM_X86 1
+#include <immintrin.h>
+#else
+#define HF_MASKLLM_X86 0
+#endif
+
+int64_t isa();  // nm_linear.cpp: the instruction-set level in use (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)
+
+namespace {
+
+constexpr int kAvx2 = 1, kAvx512 = 2;
+constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers)
+constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
+constexpr int kPrefetchBytes = 1024;
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TARGET_AVX512_VBMI2 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi2,avx2,fma,f16c")))
+#define TARGET_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+
+#if HF_MASKLLM_X86
+bool cpu_has(const char* what) {
+  __builtin_cpu_init();
+  if (std::strcmp(what, "vnni") == 0)
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+  return __builtin_cpu_supports("avx512vbmi2");
+}
+bool has_vnni() {
+  static const bool has = cpu_has("vnni");
+  return has;
+}
+bool has_vbmi2() {
+  static const bool has = cpu_has("vbmi2");
+  return has;
+}
+#else
+bool has_vnni() { return false; }
+bool has_vbmi2() { return false; }
+#endif
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);  // round to nearest even for bfloat16 and half
+}
+
+int meta_bits(int m) {
+  int b = 1;
+  while ((1 << b) < m) ++b;
+  return b;
+}
+
+inline int read_position(const uint8_t* meta_row, int64_t j, int b) {
+  const int64_t bit = j * b;
+  const int64_t byte = bit >> 3;
+  const int shift = static_cast<int>(bit & 7);
+  unsigned word = meta_row[byte];
+  if (shift + b > 8) word |= static_cast<unsigned>(meta_row[byte + 1]) << 8;
+  return static_cast<int>((word >> shift) & ((1u << b) - 1));
+}
+
+// Code of kept value j of a row.
+inline int code_at(const uint8_t* q, int64_t j, int bits) {
+  if (bits == 8) return static_cast<int8_t>(q[j]);
+  const unsigned byte = q[j >> 1];
+  return static_cast<int>((j & 1) ? (byte >> 4) : (byte & 15u)) - 8;
+}
+
+// Kept value j of a row in float32: exact (an 11-bit scale times a code of at most 8 bits).
+inline float dequant(const uint8_t* q, const c10::Half* s, int64_t j, int bits, int64_t gs) {
+  return static_cast<float>(s[j / gs]) * static_cast<float>(code_at(q, j, bits));
+}
+
+// Which decode route runs for a layer (the instruction set in use, the pattern, the group size).
+enum Route : int { kRouteScalar = 0, kRouteAvx2 = 1, kRouteVnni = 2 };
+
+Route decode_route(int n, int m, int64_t gs) {
+  const int level = static_cast<int>(isa());
+  if (n != 2 || m != 4 || gs % 8 != 0 || level < kAvx2) return kRouteScalar;
+  const bool vnni_gs = gs == 8 || gs == 16 || gs == 32 || gs % 64 == 0;
+  if (level >= kAvx512 && has_vnni() && vnni_gs) return kRouteVnni;
+  return kRouteAvx2;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scalar route: any N:M, any group size; x in float32 [T, K].
+void row_scalar_q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept, int n, int m,
+                  int b, int bits, int64_t gs, const float* xf, int64_t K, int64_t tokens, float* acc) {
+  for (int64_t t = 0; t < tokens; ++t) acc[t] = 0.f;
+  for (int64_t j = 0; j < kept; ++j) {
+    const int pos = read_position(meta_row, j, b);
+    if (pos >= m) continue;  // corrupt meta (checkpoints are validated on load): never read outside the row
+    const int64_t col = (j / n) * m + pos;
+    const float w = dequant(q, s, j, bits, gs);
+    for (int64_t t = 0; t < tokens; ++t) acc[t] += w * xf[t * K + col];
+  }
+}
+
+#if HF_MASKLLM_X86
+// ------------------------------------------------------------------------------------------------
+// AVX2 route, 2:4, float32 inputs [T, Kp]: 8 kept values (4 groups, 16 inputs, 2 meta bytes) per step.
+TARGET_AVX2 inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int TB, int BITS>
+TARGET_AVX2 void row24q_avx2(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
+                             int64_t gs, const float* xf, int64_t Kp, float* acc_out) {
+  __m256 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i base = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
+  const __m256i nibble_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  for (int64_t j = 0; j < kept; j += 8) {  // kept is a multiple of gs, itself a multiple of 8
+    __m256i codes;
+    if constexpr (BITS == 8) {
+      codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
+      _mm_prefetch(reinterpret_cast<const char*>(q + j) + kPrefetchBytes, _MM_HINT_T0);
+    } else {
+      uint32_t word;
+      std::memcpy(&word, q + j / 2, 4);
+      codes = _mm256_sub_epi32(
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), nibble_shifts),
+                           _mm256_set1_epi32(15)),
+          _mm256_set1_epi32(8));
+    }
+    uint16_t scale_bits;
+    std::memcpy(&scale_bits, s + j / gs, 2);
+    const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(_cvtsh_ss(scale_bits)));
+    uint16_t mw;
+    std::memcpy(&mw, meta_row + j / 4, 2);
+    const __m256i idx = _mm256_add_epi32(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(mw), shifts), _mm256_set1_epi32(3)), base);
+    const __m256 from_hi = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 of the index
+    const float* x = xf + 2 * j;
+    for (int t = 0; t < TB; ++t) {
+      const float* xr = x + t * Kp;
+      const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xr), idx);
+      const __m256 c = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xr + 8), idx);
+      acc[t] = _mm256_fmadd_ps(w, _mm256_blendv_ps(a, c, from_hi), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(acc[t]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// VNNI route, 2:4: 64 kept values (128 inputs, 16 meta bytes) per block.
+//
+// Byte layout of a block in a register (lane L = 64-bit lane, byte j of it):
+//   8 bits: byte k = kept value k (k = 8L + j), input index 4 * (k / 2) + p_k; int32 lane l holds
+//           kept values 4l..4l+3 (inputs 8l..8l+7).
+//   4 bits: bytes 0-31 the low nibbles (kept 2i, i = byte), bytes 32-63 the high nibbles (kept 2i + 1,
+//           i = byte - 32), both at input 4i + p; int32 lane l holds kept values 8 (l % 8) .. + 7 (even
+//           ones for l < 8, odd ones above; inputs 16 (l % 8) .. + 15).
+// Either way an int32 lane never straddles a group of 8 kept values, nor a block of 32 inputs.
+struct VnniLayout {
+  alignas(64) uint8_t ctrl[64];   // vpmultishiftqb: bit offset of each byte's position in its meta qword
+  alignas(64) uint8_t base[64];   // 4 * group of each byte
+  alignas(64) int32_t xblock[16]; // input block (of 32) of each int32 lane, within the 128 inputs
+  alignas(64) int32_t kept0[16];  // first kept value (within the 64) of each int32 lane
+  explicit VnniLayout(int bits) {
+    for (int L = 0; L < 8; ++L) {
+      for (int j = 0; j < 8; ++j) {
+        if (bits == 8) {
+          const int k = 8 * L + j;
+          ctrl[8 * L + j] = static_cast<uint8_t>((2 * k) % 64);
+          base[8 * L + j] = static_cast<uint8_t>(4 * (k / 2));
+        } else {
+          const int i = 8 * (L % 4) + j, half = L / 4;
+          ctrl[8 * L + j] = static_cast<uint8_t>((4 * i + 2 * half) % 64);
+          base[8 * L + j] = static_cast<uint8_t>(4 * i);
+        }
+      }
+    }
+    for (int l = 0; l < 16; ++l) {
+      xblock[l] = bits == 8 ? l / 4 : (l % 8) / 2;
+      kept0[l] = bits == 8 ? 4 * l : 8 * (l % 8);
+    }
+  }
+};
+const VnniLayout kLayout8(8), kLayout4(4);
+
+// Inputs quantized per token and 32 inputs: xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 128, 16]
+// (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order).
+TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, const VnniLayout& layout,
+                                 uint8_t* xu, float* xs) {
+  const int64_t blocks = Kp / 128;
+  std::memset(xu, 128, tokens * Kp);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* xr = xf + t * K;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      float sc[4];
+      for (int sub = 0; sub < 4; ++sub) {
+        const int64_t c0 = 128 * blk + 32 * sub;
+        const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(32, K - c0));
+        float amax = 0.f;
+        for (int64_t c = 0; c < cnt; ++c) amax = std::max(amax, std::fabs(xr[c0 + c]));
+        sc[sub] = amax / 127.f;
+        if (amax == 0.f || !std::isfinite(amax)) {  // zeros (or inf / NaN: no code can hold them)
+          sc[sub] = amax == 0.f ? 0.f : amax;
+          continue;
+        }
+        const float inv = 127.f / amax;
+        for (int64_t c = 0; c < cnt; ++c) {
+          const float r = std::nearbyint(xr[c0 + c] * inv);
+          xu[t * Kp + c0 + c] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + 128);
+        }
+      }
+      float* dst = xs + (t * blocks + blk) * 16;
+      for (int l = 0; l < 16; ++l) dst[l] = sc[layout.xblock[l]];
+    }
+  }
+}
+
+// One block of 64 kept values against TB tokens. q: the block's codes, meta: its 16 meta bytes, sf: the
+// row's scales in float32. The row's last block may hold only `rest` (a multiple of 8) kept values
+// (TAIL): masked loads then read no byte past the row, and the codes beyond it are zero.
+template <int TB, int BITS, bool TAIL>
+TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8_t* meta, const float* sf,
+                                      int64_t blk, int64_t rest, int64_t gs, const __m512i scale_lane,
+                                      const uint8_t* x, const float* xsb, int64_t Kp, int64_t xs_stride) {
+  const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
+  // ---- codes, signed bytes
+  __m512i w;
+  if constexpr (BITS == 8) {
+    w = TAIL ? _mm512_maskz_loadu_epi8((1ull << rest) - 1, q) : _mm512_loadu_si512(q);
+  } else {
+    const __mmask32 k = TAIL ? (1u << (rest / 2)) - 1 : ~0u;
+    const __m256i packed = TAIL ? _mm256_maskz_loadu_epi8(k, q) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+    const __m512i nibbles = _mm512_and_si512(both, _mm512_set1_epi8(15));
+    w = TAIL ? _mm512_maskz_sub_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), nibbles,
+                                     _mm512_set1_epi8(8))
+             : _mm512_sub_epi8(nibbles, _mm512_set1_epi8(8));
+  }
+  // ---- input byte indices from the meta bits: each 64-bit lane gets its meta qword by a broadcast load
+  const __mmask8 lanes1 = BITS == 8 ? 0xF0 : 0xCC;  // the lanes that read the second meta qword
+  __m512i words;
+  if constexpr (TAIL) {
+    const __m128i mm = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (rest / 4)) - 1), meta);
+    words = _mm512_mask_broadcastq_epi64(_mm512_broadcastq_epi64(mm), lanes1, _mm_unpackhi_epi64(mm, mm));
+  } else {
+    words = _mm512_mask_broadcastq_epi64(
+        _mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta))), lanes1,
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8)));
+  }
+  const __m512i idx = _mm512_add_epi8(
+      _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(layout.ctrl), words), _mm512_set1_epi8(3)),
+      _mm512_load_si512(layout.base));
+  // ---- -128 * (sum of each lane's codes): the lanes' start, so that (x + 128) . w sums to x . w
+  const __m512i start = _mm512_sub_epi32(
+      _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
+  // ---- weight scale of each int32 lane
+  const __m512 sw = gs >= 64 ? _mm512_set1_ps(sf[64 * blk / gs])
+                             : _mm512_permutexvar_ps(scale_lane, _mm512_loadu_ps(sf + 64 * blk / gs));
+  // ---- per token: gather 64 input bytes, 64 byte products into 16 int32 lanes, scale, accumulate
+  for (int t = 0; t < TB; ++t) {
+    const uint8_t* xr = x + t * Kp;
+    const __m512i g = _mm512_permutex2var_epi8(_mm512_loadu_si512(xr), idx, _mm512_loadu_si512(xr + 64));
+    const __m512i dot = _mm512_dpbusd_epi32(start, g, w);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_loadu_ps(xsb + t * xs_stride)), acc[t]);
+  }
+}
+
+template <int TB, int BITS>
+TARGET_VNNI void row24q_vnni(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
+                             int64_t gs, const uint8_t* xu, const float* xs, int64_t Kp, float* acc_out) {
+  const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
+  // int32 lane -> the lane's group within the block's scales (group sizes 8, 16, 32)
+  const __m512i scale_lane =
+      _mm512_srli_epi32(_mm512_load_si512(layout.kept0), __builtin_ctzll(gs < 64 ? gs : 64));
+  const int64_t xs_stride = Kp / 128 * 16;
+  // the row's scales in float32 (16 more, zero, for the last block's vector load)
+  const int64_t groups = kept / gs;
+  alignas(64) float sf[1024 + 16];
+  std::vector<float> sf_big;
+  float* sfp = sf;
+  if (groups + 16 > 1024 + 16) {
+    sf_big.resize(groups + 16);
+    sfp = sf_big.data();
+  }
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    _mm512_storeu_ps(sfp + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + g)));
+  }
+  _mm512_storeu_ps(sfp + groups, _mm512_setzero_ps());
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t full = kept / 64;
+  constexpr int64_t kBytes = BITS * 8;  // code bytes per block
+  for (int64_t blk = 0; blk < full; ++blk) {
+    _mm_prefetch(reinterpret_cast<const char*>(q + blk * kBytes) + kPrefetchBytes, _MM_HINT_T0);
+    block24q_vnni<TB, BITS, false>(acc, q + blk * kBytes, meta_row + 16 * blk, sfp, blk, 64, gs, scale_lane,
+                                   xu + 128 * blk, xs + 16 * blk, Kp, xs_stride);
+  }
+  const int64_t rest = kept - 64 * full;  // a multiple of 8
+  if (rest) {
+    block24q_vnni<TB, BITS, true>(acc, q + full * kBytes, meta_row + 16 * full, sfp, full, rest, gs, scale_lane,
+                                  xu + 128 * full, xs + 16 * full, Kp, xs_stride);
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif  // HF_MASKLLM_X86
+
+template <typename Fn>
+void with_token_block(int64_t tb, Fn&& fn) {
+  switch (tb) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+int64_t row_grain(int64_t bytes) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(bytes, 1)); }
+
+template <typename T>
+void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qvalues, const at::Tensor& scales,
+                   const at::Tensor& meta, int n, int m, int bits, int64_t gs, const T* bp, T* yp) {
+  const int64_t out = qvalues.size(0), kept = K / m * n;
+  const int64_t q_stride = qvalues.size(1), s_stride = scales.size(1), meta_stride = meta.size(1);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qvalues.data_ptr());
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const uint8_t* mp = meta.data_ptr<uint8_t>();
+  const Route route = decode_route(n, m, gs);
+  // x in float32 [T, K] (every route starts from it)
+  std::vector<float> xf_buf;
+  const float* xf;
+  if constexpr (std::is_same<T, float>::value) {
+    xf = xp;
+  } else {
+    xf_buf.resize(tokens * K);
+    for (int64_t i = 0; i < tokens * K; ++i) xf_buf[i] = to_float(xp[i]);
+    xf = xf_buf.data();
+  }
+  // Route inputs: AVX2 float32 [T, Kp] zero-padded; VNNI bytes + scales. The extra 64 / 32 columns keep
+  // the tokens' rows out of one another's L1 sets.
+  int64_t Kp = K;
+  std::vector<float> xpad;
+  std::vector<uint8_t> xu;
+  std::vector<float> xs;
+#if HF_MASKLLM_X86
+  if (route == kRouteVnni) {
+    Kp = round_up(K, 128) + 64;
+    xu.resize(tokens * Kp);
+    xs.resize(tokens * (Kp / 128) * 16);
+    quantize_inputs(xf, tokens, K, Kp, bits == 8 ? kLayout8 : kLayout4, xu.data(), xs.data());
+  } else if (route == kRouteAvx2) {
+    Kp = round_up(K, 16) + 32;
+    xpad.assign(tokens * Kp, 0.f);
+    for (int64_t t = 0; t < tokens; ++t) std::memcpy(&xpad[t * Kp], xf + t * K, K * sizeof(float));
+  }
+#endif
+  const int b = meta_bits(m);
+  const int64_t block = route == kRouteVnni ? kMaxTokenBlock : kAvx2TokenBlock;
+  at::parallel_for(0, out, row_grain(q_stride), [&](int64_t begin, int64_t end) {
+    float acc[kMaxTokenBlock];
+    std::vector<float> acc_all;
+    if (route == kRouteScalar) acc_all.resize(tokens);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* q = qp + r * q_stride;
+      const c10::Half* s = sp + r * s_stride;
+      const uint8_t* meta_row = mp + r * meta_stride;
+      const float bias_r = bp ? to_float(bp[r]) : 0.f;
+      if (route == kRouteScalar) {
+        row_scalar_q(q, s, meta_row, kept, n, m, b, bits, gs, xf, K, tokens, acc_all.data());
+        for (int64_t t = 0; t < tokens; ++t) yp[t * out + r] = from_float<T>(acc_all[t] + bias_r);
+        continue;
+      }
+      for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+        const int64_t tb = std::min<int64_t>(block, tokens - t0);
+#if HF_MASKLLM_X86
+        with_token_block(tb, [&](auto tokens_in_pass) {
+          constexpr int TB = decltype(tokens_in_pass)::value;
+          if (route == kRouteVnni) {
+            const uint8_t* xr = xu.data() + t0 * Kp;
+            const float* xsr = xs.data() + t0 * (Kp / 128) * 16;
+            if (bits == 8) row24q_vnni<TB, 8>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+            else row24q_vnni<TB, 4>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+          } else if constexpr (TB <= kAvx2TokenBlock) {
+            const float* xr = xpad.data() + t0 * Kp;
+            if (bits == 8) row24q_avx2<TB, 8>(q, s, meta_row, kept, gs, xr, Kp, acc);
+            else row24q_avx2<TB, 4>(q, s, meta_row, kept, gs, xr, Kp, acc);
+          }
+        });
+#endif
+        for (int64_t t = 0; t < tb; ++t) yp[(t0 + t) * out + r] = from_float<T>(acc[t] + bias_r);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Expansion: the dequantized dense weight.
+
+// Keep bits of the 8 dense columns of one 2:4 meta byte (two groups): bit 4g + position.
+struct KeepTable {
+  uint8_t bits[256];
+  KeepTable() {
+    for (int byte = 0; byte < 256; ++byte) {
+      const int p0 = byte & 3, p1 = (byte >> 2) & 3, q0 = (byte >> 4) & 3, q1 = (byte >> 6) & 3;
+      bits[byte] = static_cast<uint8_t>((1 << p0) | (1 << p1) | ((1 << q0) | (1 << q1)) << 4);
+    }
+  }
+};
+const KeepTable kKeep;
+
+template <typename T>
+void expand_row_scalar_q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept, int n, int m,
+                         int b, int bits, int64_t gs, int64_t K, T* dst) {
+  std::memset(static_cast<void*>(dst), 0, K * sizeof(T));
+  for (int64_t j = 0; j < kept; ++j) {
+    const int pos = read_position(meta_row, j, b);
+    if (pos < m) dst[(j / n) * m + pos] = from_float<T>(dequant(q, s, j, bits, gs));
+  }
+}
+
+#if HF_MASKLLM_X86
+// 16 kept values from kept value j on (8 when `half`), dequantized to float32 (group size a multiple of 8).
+template <int BITS>
+TARGET_AVX512 inline __m512 dequant16(const uint8_t* q, const c10::Half* s, int64_t j, int64_t gs, bool half) {
+  __m512i codes;
+  if constexpr (BITS == 8) {
+    codes = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(half ? 0xFF : 0xFFFF, q + j));
+  } else {
+    const __m128i packed = _mm_maskz_loadu_epi8(half ? 0x0F : 0xFF, q + j / 2);
+    const __m512i dup = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(packed, packed));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    codes = _mm512_sub_epi32(_mm512_and_si512(_mm512_srlv_epi32(dup, shifts), _mm512_set1_epi32(15)),
+                             _mm512_set1_epi32(8));
+  }
+  uint16_t s0, s1;
+  std::memcpy(&s0, s + j / gs, 2);
+  std::memcpy(&s1, s + (half ? j : j + 8) / gs, 2);
+  const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(s0)), _mm256_set1_ps(_cvtsh_ss(s1)), 1);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), sv);
+}
+
+template <int BITS>
+TARGET_AVX512 void expand_row24q_f32(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
+                                     int64_t gs, float* dst) {
+  for (int64_t j = 0; j < kept; j += 16) {
+    const bool half = kept - j < 16;
+    const __m512 v = dequant16<BITS>(q, s, j, gs, half);
+    const uint8_t* mb = meta_row + j / 4;
+    const __mmask16 k0 = static_cast<__mmask16>(kKeep.bits[mb[0]] | (kKeep.bits[mb[1]] << 8));
+    _mm512_storeu_ps(dst + 2 * j, _mm512_maskz_expand_ps(k0, v));
+    if (half) break;
+    const __mmask16 k1 = static_cast<__mmask16>(kKeep.bits[mb[2]] | (kKeep.bits[mb[3]] << 8));
+    _mm512_storeu_ps(dst + 2 * j + 16, _mm512_maskz_expand_ps(k1, _mm512_castps256_ps512(_mm512_extractf32x8_ps(v, 1))));
+  }
+}
+
+// float32 -> 16-bit lanes, rounded to nearest even (finite values)
+template <typename T>
+TARGET_AVX512 inline __m256i to16(__m512 v) {
+  if constexpr (std::is_same<T, c10::Half>::value) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  }
+}
+
+template <int BITS, typename T>
+TARGET_AVX512_VBMI2 void expand_row24q_16(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row,
+                                          int64_t kept, int64_t gs, T* dst) {
+  for (int64_t j = 0; j < kept; j += 16) {
+    const bool half = kept - j < 16;
+    const __m512i v = _mm512_castsi256_si512(to16<T>(dequant16<BITS>(q, s, j, gs, half)));
+    const uint8_t* mb = meta_row + j / 4;
+    __mmask32 keep = static_cast<__mmask32>(kKeep.bits[mb[0]]) | (static_cast<__mmask32>(kKeep.bits[mb[1]]) << 8);
+    if (!half) {
+      keep |= (static_cast<__mmask32>(kKeep.bits[mb[2]]) << 16) | (static_cast<__mmask32>(kKeep.bits[mb[3]]) << 24);
+    }
+    _mm512_mask_storeu_epi16(dst + 2 * j, half ? 0xFFFFu : 0xFFFFFFFFu, _mm512_maskz_expand_epi16(keep, v));
+  }
+}
+#endif  // HF_MASKLLM_X86
+
+template <typename T>
+void expand_q_impl(const at::Tensor& qvalues, const at::Tensor& scales, const at::Tensor& meta, int n, int m,
+                   int bits, int64_t gs, int64_t K, at::Tensor& dense) {
+  const int64_t out = qvalues.size(0), kept = K / m * n;
+  const int64_t q_stride = qvalues.size(1), s_stride = scales.size(1), meta_stride = meta.size(1);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qvalues.data_ptr());
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const uint8_t* mp = meta.data_ptr<uint8_t>();
+  T* dp = dense.data_ptr<T>();
+  const bool vec24 = n == 2 && m == 4 && gs % 8 == 0 && isa() >= kAvx512 && (sizeof(T) == 4 || has_vbmi2());
+  const int b = meta_bits(m);
+  at::parallel_for(0, out, row_grain(K), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* q = qp + r * q_stride;
+      const c10::Half* s = sp + r * s_stride;
+      const uint8_t* meta_row = mp + r * meta_stride;
+      T* dst = dp + r * K;
+      if (!vec24) {
+        expand_row_scalar_q<T>(q, s, meta_row, kept, n, m, b, bits, gs, K, dst);
+        continue;
+      }
+#if HF_MASKLLM_X86
+      if constexpr (sizeof(T) == 4) {
+        if (bits == 8) expand_row24q_f32<8>(q, s, meta_row, kept, gs, dst);
+        else expand_row24q_f32<4>(q, s, meta_row, kept, gs, dst);
+      } else {
+        if (bits == 8) expand_row24q_16<8, T>(q, s, meta_row, kept, gs, dst);
+        else expand_row24q_16<4, T>(q, s, meta_row, kept, gs, dst);
+      }
+#endif
+    }
+  });
+}
+
+void check_q(const at::Tensor& qvalues, const at::Tensor& scales, const at::Tensor& meta, int64_t n, int64_t m,
+             int64_t bits, int64_t gs, int64_t K) {
+  TORCH_CHECK(qvalues.device().is_cpu() && scales.device().is_cpu() && meta.device().is_cpu(),
+              "nm quantized kernels: tensors must be on the CPU");
+  TORCH_CHECK(bits == 8 || bits == 4, "nm quantized kernels: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(1 <= n && n < m && m <= 8, "nm quantized kernels: need 1 <= n < m <= 8");
+  TORCH_CHECK(K % m == 0, "nm quantized kernels: in_features ", K, " is not a multiple of m = ", m);
+  const int64_t out = qvalues.size(0), kept = K / m * n;
+  TORCH_CHECK(gs >= 1 && kept % gs == 0 && (bits == 8 || gs % 2 == 0),
+              "nm quantized kernels: group_size ", gs, " must divide the ", kept, " kept values of a row",
+              bits == 4 ? " and be even" : "");
+  TORCH_CHECK(qvalues.dim() == 2 && qvalues.is_contiguous() &&
+                  qvalues.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&
+                  qvalues.size(1) == (bits == 8 ? kept : kept / 2),
+              "nm quantized kernels: qvalues must be contiguous ", bits == 8 ? "int8 [out, " : "uint8 [out, ",
+              bits == 8 ? kept : kept / 2, "] for in_features ", K);
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.size(0) == out && scales.size(1) == kept / gs,
+              "nm quantized kernels: scales must be contiguous float16 [out, ", kept / gs, "]");
+  TORCH_CHECK(meta.dim() == 2 && meta.is_contiguous() && meta.scalar_type() == at::kByte && meta.size(0) == out &&
+                  meta.size(1) * 8 >= kept * meta_bits(static_cast<int>(m)),
+              "nm quantized kernels: meta must be contiguous uint8 [out, >= ",
+              (kept * meta_bits(static_cast<int>(m)) + 7) / 8, "]");
+}
+
+}  // namespace
+
+at::Tensor nm_linear_q(const at::Tensor& x_in, const at::Tensor& qvalues, const at::Tensor& scales,
+                       const at::Tensor& meta, int64_t n, int64_t m, int64_t bits, int64_t group_size,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "nm_linear_q: x must be a CPU tensor [..., in]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(-1);
+  check_q(qvalues, scales, meta, n, m, bits, group_size, K);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->numel() == qvalues.size(0) &&
+                    bias->scalar_type() == x.scalar_type(),
+                "nm_linear_q: bias must be contiguous [out] in x's dtype");
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = qvalues.size(0);
+  if (K == 0 || x.numel() == 0 || qvalues.size(0) == 0) {
+    at::Tensor y = at::zeros(shape, x.options());
+    return has_bias ? y.add_(*bias) : y;
+  }
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t tokens = x.numel() / K;
+  switch (x.scalar_type()) {
+#define HF_MASKLLM_LINEAR_Q(scalar_t)                                                                     \
+  linear_q_impl<scalar_t>(x.data_ptr<scalar_t>(), tokens, K, qvalues, scales, meta, static_cast<int>(n),  \
+                          static_cast<int>(m), static_cast<int>(bits), group_size,                        \
+                          has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>());       \
+  return y;
+    case at::kFloat: HF_MASKLLM_LINEAR_Q(float)
+    case at::kBFloat16: HF_MASKLLM_LINEAR_Q(c10::BFloat16)
+    case at::kHalf: HF_MASKLLM_LINEAR_Q(c10::Half)
+#undef HF_MASKLLM_LINEAR_Q
+    default: TORCH_CHECK(false, "nm_linear_q: x must be float32, bfloat16 or float16");
+  }
+}
+
+at::Tensor nm_expand_q(const at::Tensor& qvalues, const at::Tensor& scales, const at::Tensor& meta, int64_t n,
+                       int64_t m, int64_t bits, int64_t group_size, int64_t in_features, at::Tensor dense) {
+  check_q(qvalues, scales, meta, n, m, bits, group_size, in_features);
+  TORCH_CHECK(dense.device().is_cpu() && dense.is_contiguous() && dense.dim() == 2 &&
+                  dense.size(0) == qvalues.size(0) && dense.size(1) == in_features,
+              "nm_expand_q: the output must be contiguous [out, in_features]");
+  switch (dense.scalar_type()) {
+    case at::kFloat: expand_q_impl<float>(qvalues, scales, meta, n, m, bits, group_size, in_features, dense); break;
+    case at::kBFloat16:
+      expand_q_impl<c10::BFloat16>(qvalues, scales, meta, n, m, bits, group_size, in_features, dense);
+      break;
+    case at::kHalf: expand_q_impl<c10::Half>(qvalues, scales, meta, n, m, bits, group_size, in_features, dense); break;
+    default: TORCH_CHECK(false, "nm_expand_q: the output must be float32, bfloat16 or float16");
+  }
+  return dense;
+}
+
+std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size) {
+  switch (decode_route(static_cast<int>(n), static_cast<int>(m), group_size)) {
+    case kRouteVnni: return "vnni";
+    case kRouteAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
