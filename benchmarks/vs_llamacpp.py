@@ -370,7 +370,8 @@ def run_threads(args: argparse.Namespace, name: str, folder: Path, threads: int)
     llamacpp.log(
         f"{name}, {threads} thread(s): loading and warming up our rows (compiling, for compiled ones)"
     )
-    for row, sub, mode in our_rows(args.modes.split(",")):  # started together: loads and compiles overlap
+    modes = [m for m in args.modes.split(",") if m != "compiled" or name in args.compiled_models.split(",")]
+    for row, sub, mode in our_rows(modes):  # started together: loads and compiles overlap
         workers[row] = Worker(folder / sub, mode, threads, args, logs / f"{name}-{sub}-{mode}-{threads}.log")
     for row in list(workers):
         try:
@@ -581,6 +582,11 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", default="eager,compiled", help="our rows: eager and/or compiled")
+    parser.add_argument(
+        "--compiled-models",
+        default="smollm2,1b",
+        help="the models whose compiled rows run (with --modes compiled)",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=32, help="kept values per scale (int8 / int4)")
