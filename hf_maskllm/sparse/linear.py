@@ -42,7 +42,7 @@ from ..modules import dense_weight_view, is_conv1d
 from ..patterns import check_nm_args
 from .format import compress, compressed_shapes, decompress, kept_columns
 
-__all__ = ["SparseLinear", "set_dense_cache", "sparse_layer_names", "to_dense_layers"]
+__all__ = ["SparseLinear", "dense_layer", "set_dense_cache", "sparse_layer_names", "to_dense_layers"]
 
 
 def _cast(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -200,25 +200,29 @@ class SparseLinear(nn.Module):
     @torch.no_grad()
     def to_dense(self) -> nn.Module:
         """The dense layer (``nn.Linear``, or ``Conv1D`` if it replaced one) holding the decompressed weight."""
-        weight = self.dense_weight()
-        if self.conv1d:
-            from transformers.pytorch_utils import Conv1D
+        return dense_layer(self.dense_weight(), self.bias, self.conv1d)
 
-            layer = Conv1D(self.out_features, self.in_features)
-            layer.weight = nn.Parameter(weight.t().contiguous())
-            layer.bias = nn.Parameter(
-                self.bias.detach().clone()
-                if self.bias is not None
-                else torch.zeros(self.out_features, dtype=weight.dtype, device=weight.device)
-            )
-            return layer
-        linear = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=weight.dtype
+
+@torch.no_grad()
+def dense_layer(weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False) -> nn.Module:
+    """An ``nn.Linear`` (or a transformers ``Conv1D``) holding ``weight [out, in]`` and a copy of ``bias``."""
+    out_features, in_features = weight.shape
+    if conv1d:
+        from transformers.pytorch_utils import Conv1D
+
+        layer = Conv1D(out_features, in_features)
+        layer.weight = nn.Parameter(weight.t().contiguous())
+        layer.bias = nn.Parameter(
+            bias.detach().clone()
+            if bias is not None
+            else torch.zeros(out_features, dtype=weight.dtype, device=weight.device)
         )
-        linear.weight = nn.Parameter(weight)
-        if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.detach().clone())
-        return linear
+        return layer
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().clone())
+    return linear
 
 
 def set_dense_cache(model: nn.Module, enabled: bool | None) -> int:

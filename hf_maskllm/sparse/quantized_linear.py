@@ -28,6 +28,7 @@ from .format import (
     quantized_shapes,
     unpack_codes,
 )
+from .linear import dense_layer
 
 __all__ = ["QuantizedSparseLinear", "quantized_layer_names"]
 
@@ -196,25 +197,7 @@ class QuantizedSparseLinear(nn.Module):
     @torch.no_grad()
     def to_dense(self) -> nn.Module:
         """The dense layer (``nn.Linear``, or ``Conv1D`` if it replaced one) holding the dequantized weight."""
-        weight = self.dense_weight()
-        if self.conv1d:
-            from transformers.pytorch_utils import Conv1D
-
-            layer = Conv1D(self.out_features, self.in_features)
-            layer.weight = nn.Parameter(weight.t().contiguous())
-            layer.bias = nn.Parameter(
-                self.bias.detach().clone()
-                if self.bias is not None
-                else torch.zeros(self.out_features, dtype=weight.dtype, device=weight.device)
-            )
-            return layer
-        linear = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=weight.dtype
-        )
-        linear.weight = nn.Parameter(weight)
-        if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.detach().clone())
-        return linear
+        return dense_layer(self.dense_weight(), self.bias, self.conv1d)
 
 
 def quantized_layer_names(model: nn.Module) -> list[str]:
