@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from real_size import SHAPE, TINY, step_build
+from real_size import SHAPE, TINY, child, run_step, step_build
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -96,34 +92,6 @@ STEPS = {
 }
 
 
-def child(step: str, work: Path, tiny: bool) -> None:
-    from run_info import rss_bytes, rss_peak_bytes
-
-    import hf_maskllm  # noqa: F401  (imports counted in the baseline)
-
-    baseline = rss_bytes()
-    start = time.perf_counter()
-    out = STEPS[step](work, TINY if tiny else SHAPE)
-    out.update(
-        wall_seconds=time.perf_counter() - start, rss_baseline_bytes=baseline, rss_peak_bytes=rss_peak_bytes()
-    )
-    print("RESULT " + json.dumps(out, default=str), flush=True)
-
-
-def run_step(step: str, work: Path, tiny: bool) -> dict:
-    print(f"{step} ...", flush=True)
-    cmd = [sys.executable, __file__, "--child", step, "--work", str(work)] + (["--tiny"] if tiny else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(
-            f"step {step} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-    result = json.loads(lines[-1][len("RESULT ") :])
-    print(f"{step}: {result}", flush=True)
-    return result
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/merge_memory", help="where the checkpoints are written")
@@ -133,10 +101,10 @@ def main() -> None:
     args = p.parse_args()
     work = Path(args.work)
     if args.child:
-        child(args.child, work, args.tiny)
+        child(args.child, work, args.tiny, STEPS)
         return
     work.mkdir(parents=True, exist_ok=True)
-    results = {step: run_step(step, work, args.tiny) for step in STEPS}
+    results = {step: run_step(step, work, args.tiny, __file__) for step in STEPS}
     from run_info import header_lines, run_info
 
     dense = results["build"]["dense_checkpoint_bytes"]

@@ -169,7 +169,8 @@ STEPS = {
 }
 
 
-def child(step: str, work: Path, tiny: bool) -> None:
+def child(step: str, work: Path, tiny: bool, steps: dict | None = None) -> None:
+    """Run one step (of ``steps``, default this script's) and print its result with its peak memory."""
     sys.path.insert(0, str(Path(__file__).parent))
     from run_info import rss_bytes, rss_peak_bytes
 
@@ -177,16 +178,17 @@ def child(step: str, work: Path, tiny: bool) -> None:
 
     baseline = rss_bytes()
     start = time.perf_counter()
-    out = STEPS[step](work, TINY if tiny else SHAPE)
+    out = (steps or STEPS)[step](work, TINY if tiny else SHAPE)
     out.update(
         wall_seconds=time.perf_counter() - start, rss_baseline_bytes=baseline, rss_peak_bytes=rss_peak_bytes()
     )
     print("RESULT " + json.dumps(out, default=str), flush=True)
 
 
-def run_step(step: str, work: Path, tiny: bool) -> dict:
+def run_step(step: str, work: Path, tiny: bool, script: str = __file__) -> dict:
+    """Run ``script --child step`` in a process of its own and return the step's result."""
     print(f"{step} ...", flush=True)
-    cmd = [sys.executable, __file__, "--child", step, "--work", str(work)] + (["--tiny"] if tiny else [])
+    cmd = [sys.executable, script, "--child", step, "--work", str(work)] + (["--tiny"] if tiny else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
