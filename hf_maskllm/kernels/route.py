@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
+from .codes import dequantize_values
 from .cpu_extension import cpu_kernels
 from .ops import nm_decompress_24, triton_linear
 
 __all__ = [
     "KERNEL_DTYPES",
-    "dequantize_kept",
     "expand",
     "expand_q",
     "has_expand",
@@ -111,25 +111,6 @@ def has_expand(tensor: torch.Tensor, dtype: torch.dtype, n: int, m: int) -> bool
 # ------------------------------------------------------------------------------------------------
 
 
-def dequantize_kept(
-    qvalues: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The kept values ``[out, kept]`` in ``dtype``: ``float(scale) * code`` computed in float32.
-
-    int8: ``qvalues int8 [out, kept]``; int4: ``uint8 [out, kept // 2]``, kept value ``j`` in byte
-    ``j // 2`` (low nibble for even ``j``), nibble ``u`` meaning code ``u - 8``.
-    """
-    if bits == 4:
-        low = (qvalues & 0xF).to(torch.int8) - 8
-        high = (qvalues >> 4).to(torch.int8) - 8
-        codes = torch.stack((low, high), dim=-1).view(qvalues.shape[0], -1)
-    else:
-        codes = qvalues
-    out, kept = codes.shape
-    groups = codes.view(out, kept // group_size, group_size).to(torch.float32)
-    return (groups * scales.to(torch.float32).unsqueeze(-1)).view(out, kept).to(dtype)
-
-
 def _bias_like(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
     return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
@@ -167,7 +148,7 @@ def _linear_q_impl(
         return cpu_ops.nm_linear_q_cpu(
             cpu_kernels(), x, qvalues, scales, meta, n, m, bits, group_size, in_features, bias
         )
-    values = dequantize_kept(qvalues, scales, bits, group_size, x.dtype)  # CUDA: the float Triton route
+    values = dequantize_values(qvalues, scales, bits, group_size, x.dtype)  # CUDA: the float Triton route
     return _linear_impl(x, values, meta, n, m, in_features, bias)
 
 
@@ -204,7 +185,7 @@ def _expand_q_impl(
         return cpu_ops.expand_q_cpu(
             cpu_kernels(), qvalues, scales, meta, n, m, bits, group_size, in_features, dtype, keep=True
         )
-    values = dequantize_kept(qvalues, scales, bits, group_size, dtype)
+    values = dequantize_values(qvalues, scales, bits, group_size, dtype)
     return nm_decompress_24(values, meta, in_features)
 
 

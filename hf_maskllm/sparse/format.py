@@ -41,6 +41,8 @@ import math
 import torch
 
 from ..errors import CheckpointError, ConfigError, NMViolationError
+from ..kernels.codes import dequantize_values
+from ..kernels.codes import unpack_codes as _unpack_codes
 from ..patterns import check_nm_args
 
 __all__ = [
@@ -305,25 +307,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(qvalues: torch.Tensor, bits: int) -> torch.Tensor:
     """The codes ``int8 [out, kept]`` stored in ``qvalues`` (inverse of :func:`pack_codes`)."""
     _check_bits(bits)
-    if bits == 8:
-        return qvalues.to(torch.int8)
-    low = (qvalues & 0x0F).to(torch.int8) - 8
-    high = (qvalues >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-1).reshape(*qvalues.shape[:-1], qvalues.shape[-1] * 2)
-
-
-def dequantize_values(
-    qvalues: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    group_size: int,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The kept values ``[out, kept]``: ``float(scales[row, j // group_size]) * q`` in float32, then ``dtype``."""
-    codes = unpack_codes(qvalues, bits).to(torch.float32)
-    out, kept = codes.shape
-    grouped = codes.view(out, kept // group_size, group_size) * scales.to(torch.float32).unsqueeze(-1)
-    return grouped.view(out, kept).to(dtype)
+    return _unpack_codes(qvalues, bits)
 
 
 def dequantize(
