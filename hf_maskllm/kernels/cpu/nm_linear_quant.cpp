@@ -233,6 +233,15 @@ struct VnniLayout {
   }
 };
 const VnniLayout kLayout8(8), kLayout4(4);
+// vpermb table: index bits 0-3 hold an int4 code + 8, bits 4-5 are ignored
+struct NibbleCodes {
+  alignas(64) int8_t v[64];
+  NibbleCodes() {
+    for (int i = 0; i < 64; ++i) v[i] = static_cast<int8_t>((i & 15) - 8);
+  }
+};
+const NibbleCodes kNibbleCodesTable;
+const int8_t* const kNibbleCodes = kNibbleCodesTable.v;
 
 // Inputs quantized per token and 32 inputs: xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 128, 16]
 // (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order).
@@ -279,28 +288,25 @@ TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8
   if constexpr (BITS == 8) {
     w = TAIL ? _mm512_maskz_loadu_epi8((1ull << rest) - 1, q) : _mm512_loadu_si512(q);
   } else {
+    // both halves read the 32 packed bytes; the upper half shifted right by 4 (high nibbles to bits 0-3);
+    // vpermb maps index bits 0-5 (the nibble and two bits above it) to nibble - 8
     const __mmask32 k = TAIL ? (1u << (rest / 2)) - 1 : ~0u;
-    const __m256i packed = TAIL ? _mm256_maskz_loadu_epi8(k, q) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-    const __m512i nibbles = _mm512_and_si512(both, _mm512_set1_epi8(15));
-    w = TAIL ? _mm512_maskz_sub_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), nibbles,
-                                     _mm512_set1_epi8(8))
-             : _mm512_sub_epi8(nibbles, _mm512_set1_epi8(8));
+    const __m512i both = _mm512_broadcast_i64x4(TAIL ? _mm256_maskz_loadu_epi8(k, q)
+                                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m512i shifted = _mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4);
+    w = _mm512_permutexvar_epi8(shifted, _mm512_load_si512(kNibbleCodes));
+    if constexpr (TAIL) w = _mm512_maskz_mov_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), w);
   }
-  // ---- input byte indices from the meta bits: each 64-bit lane gets its meta qword by a broadcast load
+  // ---- input byte indices from the meta bits: each 64-bit lane gets its meta qword by a permute
   const __mmask8 lanes1 = BITS == 8 ? 0xF0 : 0xCC;  // the lanes that read the second meta qword
-  __m512i words;
-  if constexpr (TAIL) {
-    const __m128i mm = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (rest / 4)) - 1), meta);
-    words = _mm512_mask_broadcastq_epi64(_mm512_broadcastq_epi64(mm), lanes1, _mm_unpackhi_epi64(mm, mm));
-  } else {
-    words = _mm512_mask_broadcastq_epi64(
-        _mm512_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta))), lanes1,
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8)));
-  }
-  const __m512i idx = _mm512_add_epi8(
-      _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(layout.ctrl), words), _mm512_set1_epi8(3)),
-      _mm512_load_si512(layout.base));
+  const __m128i mm = TAIL ? _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (rest / 4)) - 1), meta)
+                          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta));
+  const __m512i words = _mm512_permutexvar_epi64(
+      lanes1 == 0xF0 ? _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1) : _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1),
+      _mm512_castsi128_si512(mm));
+  // (position bits & 3) | 4 * group: 0xEA = (A & B) | C
+  const __m512i idx = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(layout.ctrl), words),
+                                                _mm512_set1_epi8(3), _mm512_load_si512(layout.base), 0xEA);
   // ---- -128 * (sum of each lane's codes): the lanes' start, so that (x + 128) . w sums to x . w
   const __m512i start = _mm512_sub_epi32(
       _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
