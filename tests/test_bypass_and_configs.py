@@ -65,29 +65,45 @@ def test_disable_masks_is_a_flag_that_runs_the_base_layers():
     assert not mm.schedule.masks_disabled
 
 
-def test_a_compiled_model_runs_ten_distilling_steps_without_recompiling(monkeypatch):
+def test_a_compiled_model_runs_ten_distilling_steps_without_recompiling():
     """``torch.compile`` of the whole MaskModel: the first step compiles (both passes), the next nine reuse it
-    while tau and kappa anneal (the backend does not matter for recompilation: dynamo's guards decide)."""
+    while tau, kappa and the regulariser's weight anneal, which the layers read as tensors (the backend does not
+    matter for recompilation: dynamo's guards decide). The compiled run gives the eager run's losses exactly:
+    the eager backend runs the same kernels in the same order, with the same noise."""
     import torch._dynamo
 
-    torch._dynamo.reset()
-    mm = _distilling(distill_logits=1.0, sparse_reg=1e-3)
-    optimizer = torch.optim.SGD([p for p in mm.parameters() if p.requires_grad], lr=0.1)
-    compiled = torch.compile(mm, backend="eager")
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
 
-    def step(i: int) -> None:
-        mm.set_schedule_progress(i / 10)
-        compiled(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    def run(compile_model: bool) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
+        torch.manual_seed(0)
+        mm = _distilling(distill_logits=1.0, sparse_reg=1e-3)
+        optimizer = torch.optim.SGD([p for p in mm.parameters() if p.requires_grad], lr=0.1)
+        model = torch.compile(mm, backend="eager") if compile_model else mm
+        schedules, losses = [], []
+        for i in range(10):
+            mm.set_schedule_progress(i / 10)
+            schedules.append((mm.schedule.tau, mm.schedule.kappa, mm.schedule.sparse_reg_weight))
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):  # only the first step compiles
+                outputs = model(input_ids=ids, labels=ids)
+            outputs.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append((outputs.loss.item(), outputs.sparse_reg_loss.item()))
+        return schedules, losses
 
-    step(0)
-    step(1)  # a second warm-up: tau and kappa leave their start values (a float may become symbolic here)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(2, 10):
-            step(i)
     torch._dynamo.reset()
+    try:
+        schedules, compiled_losses = run(compile_model=True)
+    finally:
+        torch._dynamo.reset()
+    assert all(type(value) is float for values in schedules for value in values)  # what users read
+    for before, after in zip(schedules, schedules[1:]):  # every step has a new tau, kappa and weight
+        assert all(a != b for a, b in zip(before, after))
+    assert all(weight > 0 for _, _, weight in schedules)
+    eager_schedules, eager_losses = run(compile_model=False)
+    assert eager_schedules == schedules
+    assert compiled_losses == eager_losses
+    assert len(set(compiled_losses)) == len(compiled_losses)  # the masks train: every step's losses differ
 
 
 def test_a_merged_save_leaves_the_model_as_it_was(tmp_path):

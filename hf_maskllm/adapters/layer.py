@@ -277,7 +277,7 @@ class MaskedLinear(nn.Module):
     def sample_mask(self) -> torch.Tensor:
         """A differentiable soft (or straight-through) mask ``[out, in]`` sampled at the schedule's tau, kappa."""
         s = self.schedule
-        soft = sample_soft_mask(self.mask_logits, self.candidates, s.tau, s.kappa, s.hard)
+        soft = sample_soft_mask(self.mask_logits, self.candidates, s.tensor("tau"), s.tensor("kappa"), s.hard)
         return soft.reshape(self.out_features, self.in_features)
 
     def masked_weight(self) -> torch.Tensor:
@@ -298,7 +298,7 @@ class MaskedLinear(nn.Module):
         s = self.schedule
         # The regulariser is computed whenever it has a weight (so an activation-checkpointing
         # recomputation runs the same computation) and handed to the forward that collects it.
-        with_reg = s.sparse_reg_weight > 0
+        with_reg = s.regularising
         terms = _REGULARISER.get()
         weight = dense_weight_view(self.base_layer)
         if weight.requires_grad or (bias is not None and bias.requires_grad):
@@ -310,7 +310,7 @@ class MaskedLinear(nn.Module):
         # The fused path: at most the sample's probabilities kept for the backward pass (fused_linear.py).
         y, reg = masked_linear(
             x, weight, bias, self.mask_logits, self.n, self.m, draw_seed(weight.device),
-            s.tau, s.kappa, s.hard, with_reg, s.compiled_sampling, s.recompute_sampling,
+            s.tensor("tau"), s.tensor("kappa"), s.hard, with_reg, s.compiled_sampling, s.recompute_sampling,
         )  # fmt: skip
         if with_reg and terms is not None:
             terms.append(reg)  # ||W * mask||^2 with W frozen: the gradient reaches only the logits

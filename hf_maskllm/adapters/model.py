@@ -149,7 +149,7 @@ class MaskModel(NamedMasksMixin, nn.Module):
         in the model changes during the call: the unmasked pass bypasses the masks by a flag the layers
         read, and the loss is computed here, not by a replaced ``loss_function``."""
         schedule = self.schedule
-        track = self.training and schedule.sparse_reg_weight > 0
+        track = self.training and schedule.regularising
         if self.training and not schedule.driven and not self._warned_unscheduled and torch.is_grad_enabled():
             if any(layer.mask_logits.requires_grad for layer in self.masked_layers().values()):
                 self._warned_unscheduled = True
@@ -221,7 +221,9 @@ class MaskModel(NamedMasksMixin, nn.Module):
             # accumulation steps (and multiplies by the process count): the schedule's divisor undoes both.
             divisor = schedule.reg_divisor if scaled_for_accumulation else 1
             total = sum(r.to(outputs.loss.device) for r in regs)  # layers may sit on several devices
-            term = -schedule.sparse_reg_weight * total
+            # the weight as a tensor (compiled code reads its current value); in the regulariser's dtype, as a
+            # Python float would be
+            term = -schedule.tensor("sparse_reg_weight").to(total.dtype) * total
             # term - term.detach() is zero in value and carries the term's gradient: the logged loss is
             # the language-model loss, the logits' gradient includes the regulariser.
             outputs.loss = outputs.loss + (term - term.detach()).to(outputs.loss.dtype) / divisor

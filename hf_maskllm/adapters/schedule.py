@@ -12,6 +12,11 @@ from a mask config and the training progress. :meth:`MaskSchedule.set_progress` 
 :class:`~hf_maskllm.MaskAnnealCallback` calls every step (``MaskModel.set_schedule_progress`` in a custom
 loop). The schedule holds settings only: what a training forward computes (the regulariser's and the
 distillation terms' values) is kept by the model (``MaskModel.last_losses``).
+
+The values that change every step reach the layers' forward as 0-d tensors (:meth:`MaskSchedule.tensor`),
+updated in place whenever the schedule is set, and whether the regulariser runs as a flag that changes only
+when its weight reaches or leaves 0 (:attr:`MaskSchedule.regularising`): ``torch.compile`` of a model then
+compiles once, not again for every new tau.
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import MaskConfig
 
 __all__ = ["MaskSchedule", "annealed_values", "schedule_value"]
+
+# The fields that change every step in a run, which the layers' forward reads as tensors (MaskSchedule.tensor).
+_STEP_VALUES = ("tau", "kappa", "sparse_reg_weight")
 
 
 def schedule_value(start: float, end: float, progress: float, kind: str = "linear") -> float:
@@ -81,6 +91,9 @@ class MaskSchedule:
             (:meth:`set_progress`); ``None`` until then.
         driven: Whether a callback or training loop has set tau and kappa (a model training without one
             warns once).
+
+    Each of ``tau``, ``kappa`` and ``sparse_reg_weight`` also has a 0-d tensor that follows it
+    (:meth:`tensor`), what the masked layers and the model compute with.
     """
 
     tau: float = 2.0
@@ -94,6 +107,36 @@ class MaskSchedule:
     masks_disabled: bool = False
     progress: float | None = None
     driven: bool = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _STEP_VALUES:
+            tensors = self.__dict__.setdefault("_tensors", {})
+            if name in tensors:
+                tensors[name].fill_(float(value))  # in place: compiled code holding it sees the new value
+            else:
+                tensors[name] = torch.tensor(float(value), dtype=torch.float64, device="cpu")
+            if name == "sparse_reg_weight":
+                super().__setattr__("_regularising", float(value) > 0)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """``tau``, ``kappa`` or ``sparse_reg_weight`` as a 0-d float64 CPU tensor, one per field, updated in
+        place whenever the field is set.
+
+        What the training forward computes with: compiled code takes it as an input, so a new value reuses
+        the compiled code (a Python float is compiled in as a constant, and every new value compiles again).
+        A CPU scalar joins operations on any device as a Python number does (no copy to the device, the
+        same kernels), in the precision of a Python float: the results are those the float would give.
+        """
+        if name not in _STEP_VALUES:
+            raise ConfigError(f"MaskSchedule keeps tensors of {list(_STEP_VALUES)}, not {name!r}.")
+        return self._tensors[name]
+
+    @property
+    def regularising(self) -> bool:
+        """Whether the sparse weight regulariser is on (``sparse_reg_weight > 0``): a flag, so compiled code
+        checks it without reading the weight, which changes every step."""
+        return self._regularising
 
     def update(self, **values: Any) -> None:
         """Set several fields at once (unknown names are refused); plain Python values, no tensors."""

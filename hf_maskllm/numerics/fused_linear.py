@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .denormals import MASKED_WEIGHT_FLOOR, flushed_product
-from .sampling import sample_probs, soft_mask_from_probs
+from .sampling import _number, sample_probs, soft_mask_from_probs
 
 __all__ = [
     "MaskedLinearFunction",
@@ -199,14 +199,17 @@ def scalar_tensor(value: float, device: torch.device) -> torch.Tensor:
 
 def _run(name: str, compiled: bool, *args):
     """Call the eager or the compiled version; compiled code is specialised on n and m, not on G, and
-    takes tau and kappa as tensors (:func:`scalar_tensor`)."""
+    takes tau and kappa as tensors (:func:`scalar_tensor`; within code that an enclosing
+    ``torch.compile`` traces, the tensors given)."""
     fn = _PASSES[name]
     if not compiled:
         return fn(*args)
     args = list(args)
     device = args[1].device
+    tracing = torch.compiler.is_compiling()
     for i in _SCHEDULE_ARGS[name]:
-        args[i] = scalar_tensor(args[i], device)
+        if not (tracing and isinstance(args[i], torch.Tensor)):
+            args[i] = scalar_tensor(float(args[i]), device)
     if name not in _COMPILED:
         # Strided [G, C] loads trip inductor's "too many non-contiguous accesses" heuristic, which would
         # fall back to a scalar loop several times slower: always vectorise over groups.
@@ -225,7 +228,8 @@ class MaskedLinearFunction(torch.autograd.Function):
     """``(y, reg)`` of a masked linear in training mode; see the module docstring for what it saves.
 
     ``x`` is 2-D ``[tokens, in]``; ``weight`` ``[out, in]`` (frozen, any strides); ``bias`` frozen or
-    None; ``logits`` ``[out * in / m, C(m, n)]``; ``seed`` from :func:`sampling.draw_seed`. The matmuls
+    None; ``logits`` ``[out * in / m, C(m, n)]``; ``seed`` from :func:`sampling.draw_seed`; ``tau``,
+    ``kappa``: floats or 0-d tensors, read again by the backward pass. The matmuls
     run in ``x``'s dtype (the caller applies autocast); the per-group math in float32. ``reg`` is a
     float32 scalar, or None unless ``with_reg``. ``compiled``: run the per-group passes compiled.
     ``recompute``: keep nothing per group for the backward pass (regenerate the sample there).
@@ -281,14 +285,19 @@ def masked_linear(
     n: int,
     m: int,
     seed: torch.Tensor,
-    tau: float,
-    kappa: float,
+    tau: float | torch.Tensor,
+    kappa: float | torch.Tensor,
     hard: bool = False,
     with_reg: bool = False,
     compiled: bool = False,
     recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Training-mode masked linear on ``x`` of any leading dims; returns ``(y, reg or None)``.
+
+    ``tau``, ``kappa``: numbers or 0-d tensors (``MaskSchedule.tensor``: compiled code then reads their
+    values at run time instead of compiling them in; a 0-d CPU tensor gives what its value as a number
+    does). A tensor is read again by the backward pass: change it between steps, not between a forward
+    and its backward.
 
     Under autocast the matmuls run in the autocast dtype (as ``F.linear`` would); the sampling and
     the regulariser always in float32. ``compiled``: run the per-group passes through
@@ -303,7 +312,7 @@ def masked_linear(
     b = bias.to(dtype) if bias is not None else None
     with torch.autocast(device, enabled=False):
         y, reg = MaskedLinearFunction.apply(
-            x2d, weight, b, logits, seed, int(n), int(m), float(tau), float(kappa), bool(hard), bool(with_reg),
+            x2d, weight, b, logits, seed, int(n), int(m), _number(tau), _number(kappa), bool(hard), bool(with_reg),
             bool(compiled), bool(x.device.type != "cpu" if recompute is None else recompute),
         )  # fmt: skip
     return y.reshape(*lead, y.shape[-1]), reg

@@ -106,8 +106,12 @@ def gumbel_uniform(seed: torch.Tensor, groups: int, choices: int, device: torch.
     return bits_to_uniform(hash_bits(seed, groups, choices, device))
 
 
-def sample_probs(logits: torch.Tensor, seed: torch.Tensor, tau: float, kappa: float) -> list[torch.Tensor]:
+def sample_probs(
+    logits: torch.Tensor, seed: torch.Tensor, tau: float | torch.Tensor, kappa: float | torch.Tensor
+) -> list[torch.Tensor]:
     """``softmax((kappa * logits + g) / tau)`` with ``g = -log(-log u)``: C float32 columns ``[G]``.
+
+    ``tau`` and ``kappa``: numbers or 0-d tensors (a 0-d CPU tensor gives what its value as a number does).
 
     Column by column (C is small and static) so that compiled code vectorises over groups; a
     softmax over a last dimension of 6 would not. Probabilities below the float32 normal range are
@@ -156,25 +160,31 @@ def soft_mask_from_probs(probs: list[torch.Tensor], n: int, m: int, hard: bool) 
 def sample_soft_mask(
     logits: torch.Tensor,
     candidates: torch.Tensor,
-    tau: float,
-    kappa: float,
+    tau: float | torch.Tensor,
+    kappa: float | torch.Tensor,
     hard: bool = False,
     seed: int | None = None,
 ) -> torch.Tensor:
     """A differentiable mask ``[G, m]`` (float32) sampled from per-group logits ``[G, C]``, by plain autograd.
 
     For inspection and as the reference of the fused training path (``fused_linear.py``), which
-    gives the same values and gradients without keeping per-group tensors. ``seed`` defaults to
-    :func:`draw_seed`. ``hard=True`` is straight-through (one-hot forward, soft gradient).
+    gives the same values and gradients without keeping per-group tensors. ``tau`` and ``kappa``: numbers
+    or 0-d tensors (``MaskSchedule.tensor``). ``seed`` defaults to :func:`draw_seed`. ``hard=True`` is
+    straight-through (one-hot forward, soft gradient).
     """
     seed_t = draw_seed(logits.device) if seed is None else seed_tensor(seed, logits.device)
     n, m = int(candidates[0].sum()), candidates.shape[1]
     with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
-        probs = sample_probs(flush_gradient(logits), seed_t, float(tau), float(kappa))
+        probs = sample_probs(flush_gradient(logits), seed_t, _number(tau), _number(kappa))
         soft = torch.stack(soft_mask_from_probs(probs, n, m, hard=False), dim=-1)
         if not hard:
             return soft
         return soft + (torch.stack(soft_mask_from_probs(probs, n, m, hard=True), dim=-1) - soft).detach()
+
+
+def _number(value: float | torch.Tensor) -> float | torch.Tensor:
+    """A 0-d tensor as it is (compiled code reads its value at run time), any other number as a float."""
+    return value if isinstance(value, torch.Tensor) else float(value)
 
 
 @torch.no_grad()

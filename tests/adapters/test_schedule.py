@@ -106,6 +106,54 @@ def test_one_function_computes_the_schedule_from_the_progress_and_the_config(kin
     assert not fields & {"last_reg_loss", "last_objective_terms"}  # outputs live on the model
 
 
+def test_the_values_that_change_every_step_have_tensors_that_follow_them_in_place():
+    """tau, kappa and the regulariser's weight stay Python floats for users; the forward reads their 0-d tensors,
+    the same objects all run (compiled code holding them sees each new value), and a flag for the regulariser."""
+    config = MaskConfig(tau=(4.0, 0.05), kappa=(100.0, 500.0), sparse_reg=1e-3)
+    schedule = MaskSchedule()
+    tensors = {name: schedule.tensor(name) for name in ("tau", "kappa", "sparse_reg_weight")}
+    assert all(
+        t.shape == () and t.dtype == torch.float64 and t.device.type == "cpu" for t in tensors.values()
+    )
+    assert not schedule.regularising
+    for progress in (0.0, 0.3, 0.999, 1.0):
+        schedule.set_progress(config, progress)
+        for name, tensor in tensors.items():
+            assert schedule.tensor(name) is tensor
+            assert type(getattr(schedule, name)) is float and tensor.item() == getattr(schedule, name)
+        assert schedule.regularising == (progress < 1.0)
+    schedule.tau = 0.25  # a field set directly, or through update, moves its tensor too
+    schedule.update(kappa=7.5, sparse_reg_weight=2e-4)
+    assert [t.item() for t in tensors.values()] == [0.25, 7.5, 2e-4] and schedule.regularising
+    with pytest.raises(ConfigError, match="not 'hard'"):
+        schedule.tensor("hard")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_fused_linear_computes_with_the_schedule_tensors_what_it_computes_with_floats(recompute):
+    """The tensors are float64 CPU scalars: ``kappa / tau`` in the backward pass is the Python float's, and the
+    fused forward and backward give bit for bit what the same values as floats give."""
+    schedule = MaskSchedule()
+    schedule.update(tau=0.3, kappa=300.0)
+    as_float32 = torch.tensor([300.0, 0.3], dtype=torch.float32)
+    # float32 tensors would give another kappa / tau than the floats
+    assert as_float32[0] / as_float32[1] != torch.tensor(300.0 / 0.3, dtype=torch.float32)
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(weight.numel() // 4, 6, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    seed = torch.tensor([5, 9], dtype=torch.int32)
+    results = []
+    for tau, kappa in ((0.3, 300.0), (schedule.tensor("tau"), schedule.tensor("kappa"))):
+        leaf = logits.clone().requires_grad_(True)
+        y, reg = fused_linear.masked_linear(
+            x, weight, None, leaf, 2, 4, seed, tau, kappa, with_reg=True, recompute=recompute
+        )
+        (y.square().sum() + reg).backward()
+        results.append((y, reg, leaf.grad))
+    for floats, tensors in zip(*results):
+        assert torch.equal(floats, tensors)
+
+
 def test_compiled_sampling_is_per_model_and_restored_after_training():
     """Two models in one process keep their own setting; the callback restores the model's own."""
     a = get_mask_model(tiny_llama(seed=0), MaskConfig())
