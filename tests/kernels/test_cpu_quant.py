@@ -186,11 +186,15 @@ def test_results_do_not_depend_on_the_thread_count(level):
         for threads in (1, 2, 1):
             torch.set_num_threads(threads)
             ys = []
-            for bits, dtype, tokens in [(8, torch.bfloat16, 3), (4, torch.float32, 1), (4, torch.float16, 8)]:
-                x, q, s, meta, b, *_ = case(tokens, 777, 1536, 2, 4, bits, 32, dtype, True, seed=bits)
+            # 576 inputs: short rows, decoded two at a time up to 4 tokens (777 rows: one left alone)
+            for bits, dtype, tokens, in_f in [
+                (8, torch.bfloat16, 3, 1536), (4, torch.float32, 1, 1536), (4, torch.float16, 8, 1536),
+                (8, torch.float32, 1, 576), (4, torch.bfloat16, 4, 576),
+            ]:  # fmt: skip
+                x, q, s, meta, b, *_ = case(tokens, 777, in_f, 2, 4, bits, 32, dtype, True, seed=bits)
                 ys.append(EXT.nm_linear_q(x, q, s, meta, 2, 4, bits, 32, b))
                 ys.append(
-                    EXT.nm_expand_q(q, s, meta, 2, 4, bits, 32, 1536, torch.empty(777, 1536, dtype=dtype))
+                    EXT.nm_expand_q(q, s, meta, 2, 4, bits, 32, in_f, torch.empty(777, in_f, dtype=dtype))
                 )
             runs.append(ys)
     finally:

@@ -13,11 +13,11 @@
 //     - AVX-512 with VNNI and VBMI, 2:4, group_size 8, 16, 32 or a multiple of 64: the inputs are
 //       quantized once per call to 8 bits, one float32 scale per 32 inputs and token (round to nearest,
 //       scale = absmax / 127, as llama.cpp's Q8_0 does for its activations). Per block of 64 kept values
-//       (128 inputs): vpmultishiftqb + and + add turn 16 meta bytes into 64 byte indices, vpermt2b
-//       gathers the 64 inputs they multiply, vpdpbusd sums four byte products per int32 lane, and the
-//       lane goes to float32 times (weight scale x input scale). Inputs are stored as u8 = q + 128 (the
-//       unsigned operand); the int32 lanes start at -128 * (sum of the lane's codes), computed once per
-//       row block, so no per-token correction is needed.
+//       (128 inputs): vpmultishiftqb + one ternary-logic op turn 16 meta bytes into 64 byte indices,
+//       vpermt2b gathers the 64 inputs they multiply, vpdpbusd sums four byte products per int32 lane,
+//       and the lane goes to float32 times (weight scale x input scale). Inputs are stored as
+//       u8 = q + 128 (the unsigned operand); the int32 lanes start at -128 * (sum of the lane's codes),
+//       computed once per block for all tokens. Up to 4 tokens, short rows run two side by side.
 //     - AVX2 (and AVX-512 where the route above does not apply), 2:4, group_size a multiple of 8: the
 //       inputs stay in float32; 8 codes are widened, scaled, and meet the inputs picked by two vpermps
 //       and a blend in an FMA.
@@ -57,6 +57,7 @@ namespace {
 constexpr int kAvx2 = 1, kAvx512 = 2;
 constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers)
 constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
+constexpr int64_t kPairedRowsMaxKept = 512;  // VNNI decode: rows of at most this many kept values run in pairs
 constexpr int kPrefetchBytes = 1024;
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -275,12 +276,12 @@ TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int
   }
 }
 
-// One block of 64 kept values against TB tokens. q: the block's codes, meta: its 16 meta bytes, sf: the
-// row's scales in float32. The row's last block may hold only `rest` (a multiple of 8) kept values
+// One block of 64 kept values against TB tokens. q: the block's codes, meta: its 16 meta bytes, s: the
+// row's float16 scales. The row's last block may hold only `rest` (a multiple of 8) kept values
 // (TAIL): masked loads then read no byte past the row, and the codes beyond it are zero.
 template <int TB, int BITS, bool TAIL>
-TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8_t* meta, const float* sf,
-                                      int64_t blk, int64_t rest, int64_t gs, const __m512i scale_lane,
+TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8_t* meta, const c10::Half* s,
+                                      int64_t blk, int64_t rest, int64_t gs, int gs_shift, const __m512i scale_lane,
                                       const uint8_t* x, const float* xsb, int64_t Kp, int64_t xs_stride) {
   const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
   // ---- codes, signed bytes
@@ -311,8 +312,19 @@ TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8
   const __m512i start = _mm512_sub_epi32(
       _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
   // ---- weight scale of each int32 lane
-  const __m512 sw = gs >= 64 ? _mm512_set1_ps(sf[64 * blk / gs])
-                             : _mm512_permutexvar_ps(scale_lane, _mm512_loadu_ps(sf + 64 * blk / gs));
+  // (straight from the float16 scales: a float32 copy on the stack would be stored and read back at once,
+  // a load the store cannot forward)
+  // (gs_shift: log2 of the group size below 64, where it is a power of two; -1 for a multiple of 64)
+  __m512 sw;
+  if (gs_shift < 0) {
+    uint16_t h;
+    std::memcpy(&h, s + 64 * blk / gs, 2);
+    sw = _mm512_set1_ps(_cvtsh_ss(h));
+  } else {  // the block's 64 / gs scales (rest / gs in the last block), one per lane by scale_lane
+    const __mmask8 k = static_cast<__mmask8>((1u << ((TAIL ? rest : 64) >> gs_shift)) - 1);
+    const __m256 f = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, s + ((64 * blk) >> gs_shift)));
+    sw = _mm512_permutexvar_ps(scale_lane, _mm512_castps256_ps512(f));
+  }
   // ---- per token: gather 64 input bytes, 64 byte products into 16 int32 lanes, scale, accumulate
   for (int t = 0; t < TB; ++t) {
     const uint8_t* xr = x + t * Kp;
@@ -322,43 +334,42 @@ TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8
   }
 }
 
-template <int TB, int BITS>
-TARGET_VNNI void row24q_vnni(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
-                             int64_t gs, const uint8_t* xu, const float* xs, int64_t Kp, float* acc_out) {
+// R consecutive rows (q, s, meta advance by their strides) against TB tokens: acc_out[i * kMaxTokenBlock + t].
+// Two rows side by side give the core two independent chains (blocks and the final sums) where a row
+// holds few blocks; each row's arithmetic is the same as alone.
+template <int TB, int BITS, int R>
+TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
+                              const uint8_t* meta_row, int64_t meta_stride, int64_t kept, int64_t gs,
+                              const uint8_t* xu, const float* xs, int64_t Kp, float* acc_out) {
   const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
   // int32 lane -> the lane's group within the block's scales (group sizes 8, 16, 32)
   const __m512i scale_lane =
       _mm512_srli_epi32(_mm512_load_si512(layout.kept0), __builtin_ctzll(gs < 64 ? gs : 64));
   const int64_t xs_stride = Kp / 128 * 16;
-  // the row's scales in float32 (16 more, zero, for the last block's vector load)
-  const int64_t groups = kept / gs;
-  alignas(64) float sf[1024 + 16];
-  std::vector<float> sf_big;
-  float* sfp = sf;
-  if (groups + 16 > 1024 + 16) {
-    sf_big.resize(groups + 16);
-    sfp = sf_big.data();
-  }
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-    _mm512_storeu_ps(sfp + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + g)));
-  }
-  _mm512_storeu_ps(sfp + groups, _mm512_setzero_ps());
-  __m512 acc[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const int gs_shift = gs < 64 ? __builtin_ctzll(gs) : -1;  // the route takes 8, 16, 32 or multiples of 64
+  __m512 acc[R][TB];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < TB; ++t) acc[i][t] = _mm512_setzero_ps();
   const int64_t full = kept / 64;
   constexpr int64_t kBytes = BITS * 8;  // code bytes per block
   for (int64_t blk = 0; blk < full; ++blk) {
-    _mm_prefetch(reinterpret_cast<const char*>(q + blk * kBytes) + kPrefetchBytes, _MM_HINT_T0);
-    block24q_vnni<TB, BITS, false>(acc, q + blk * kBytes, meta_row + 16 * blk, sfp, blk, 64, gs, scale_lane,
-                                   xu + 128 * blk, xs + 16 * blk, Kp, xs_stride);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* qi = q + i * q_stride + blk * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(qi) + kPrefetchBytes, _MM_HINT_T0);
+      block24q_vnni<TB, BITS, false>(acc[i], qi, meta_row + i * meta_stride + 16 * blk, s + i * s_stride, blk, 64, gs, gs_shift,
+                                     scale_lane, xu + 128 * blk, xs + 16 * blk, Kp, xs_stride);
+    }
   }
   const int64_t rest = kept - 64 * full;  // a multiple of 8
   if (rest) {
-    block24q_vnni<TB, BITS, true>(acc, q + full * kBytes, meta_row + 16 * full, sfp, full, rest, gs, scale_lane,
-                                  xu + 128 * full, xs + 16 * full, Kp, xs_stride);
+    for (int i = 0; i < R; ++i) {
+      block24q_vnni<TB, BITS, true>(acc[i], q + i * q_stride + full * kBytes, meta_row + i * meta_stride + 16 * full,
+                                    s + i * s_stride, full, rest, gs, gs_shift, scale_lane, xu + 128 * full, xs + 16 * full, Kp,
+                                    xs_stride);
+    }
   }
-  for (int t = 0; t < TB; ++t) acc_out[t] = _mm512_reduce_add_ps(acc[t]);
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < TB; ++t) acc_out[i * kMaxTokenBlock + t] = _mm512_reduce_add_ps(acc[i][t]);
 }
 #endif  // HF_MASKLLM_X86
 
@@ -420,19 +431,22 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
   const int b = meta_bits(m);
   const int64_t block = route == kRouteVnni ? kMaxTokenBlock : kAvx2TokenBlock;
   at::parallel_for(0, out, row_grain(q_stride), [&](int64_t begin, int64_t end) {
-    float acc[kMaxTokenBlock];
+    float acc[2 * kMaxTokenBlock];
     std::vector<float> acc_all;
     if (route == kRouteScalar) acc_all.resize(tokens);
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = begin; r < end;) {
       const uint8_t* q = qp + r * q_stride;
       const c10::Half* s = sp + r * s_stride;
       const uint8_t* meta_row = mp + r * meta_stride;
-      const float bias_r = bp ? to_float(bp[r]) : 0.f;
       if (route == kRouteScalar) {
+        const float bias_r = bp ? to_float(bp[r]) : 0.f;
         row_scalar_q(q, s, meta_row, kept, n, m, b, bits, gs, xf, K, tokens, acc_all.data());
         for (int64_t t = 0; t < tokens; ++t) yp[t * out + r] = from_float<T>(acc_all[t] + bias_r);
+        ++r;
         continue;
       }
+      // VNNI, up to 4 tokens, short rows: two rows at a time
+      const int64_t rows = route == kRouteVnni && tokens <= 4 && kept <= kPairedRowsMaxKept && r + 1 < end ? 2 : 1;
       for (int64_t t0 = 0; t0 < tokens; t0 += block) {
         const int64_t tb = std::min<int64_t>(block, tokens - t0);
 #if HF_MASKLLM_X86
@@ -441,8 +455,19 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
           if (route == kRouteVnni) {
             const uint8_t* xr = xu.data() + t0 * Kp;
             const float* xsr = xs.data() + t0 * (Kp / 128) * 16;
-            if (bits == 8) row24q_vnni<TB, 8>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
-            else row24q_vnni<TB, 4>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+            if constexpr (TB <= 4) {
+              if (rows == 2) {
+                if (bits == 8)
+                  rows24q_vnni<TB, 8, 2>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
+                else
+                  rows24q_vnni<TB, 4, 2>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
+                return;
+              }
+            }
+            if (bits == 8)
+              rows24q_vnni<TB, 8, 1>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
+            else
+              rows24q_vnni<TB, 4, 1>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
           } else if constexpr (TB <= kAvx2TokenBlock) {
             const float* xr = xpad.data() + t0 * Kp;
             if (bits == 8) row24q_avx2<TB, 8>(q, s, meta_row, kept, gs, xr, Kp, acc);
@@ -450,8 +475,13 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
           }
         });
 #endif
-        for (int64_t t = 0; t < tb; ++t) yp[(t0 + t) * out + r] = from_float<T>(acc[t] + bias_r);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float bias_r = bp ? to_float(bp[r + i]) : 0.f;
+          for (int64_t t = 0; t < tb; ++t)
+            yp[(t0 + t) * out + r + i] = from_float<T>(acc[i * kMaxTokenBlock + t] + bias_r);
+        }
       }
+      r += rows;
     }
   });
 }
