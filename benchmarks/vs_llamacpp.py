@@ -31,9 +31,11 @@ Rows, at each thread count:
   ``AutoModelForCausalLM.from_pretrained`` in a process of its own with ``OMP_NUM_THREADS`` and
   ``torch.set_num_threads`` set to the thread count, kept alive for the whole run. Decode: greedy, batch 1,
   a static KV cache, an 8-token prompt forwarded first (not timed), then the new tokens one forward each;
-  the time of those forwards alone. Compiled: the one-token forward wrapped in
-  ``torch.compile(fullgraph=True)``, compiled during the warm-up (its time is recorded), and the run
-  records how many graphs dynamo compiled while being timed (0 means no recompilation). Prefill (eager
+  the time of those forwards alone. Compiled: docs/kernels.md's CPU recipe, the checkpoint loaded with
+  ``attn_implementation="eager"`` and the one-token forward wrapped in ``torch.compile(fullgraph=True)``
+  with ``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``, compiled during the
+  warm-up (its time is recorded); the run records how many graphs dynamo compiled while being timed (0
+  means no recompilation). Prefill (eager
   rows): one forward over ``--prefill`` random token ids, the last position's logits only, as
   ``generate`` prefills.
 
@@ -219,7 +221,9 @@ class Decoder:
 
         self.model, self.prompt, self.new_tokens = model, prompt, new_tokens
         self.cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + new_tokens + 8)
-        self.step = torch.compile(self._step, fullgraph=True) if compiled else self._step
+        # docs/kernels.md's CPU recipe: no guard on the modules' parameters (checked on every call otherwise)
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.step = torch.compile(self._step, fullgraph=True, options=options) if compiled else self._step
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=token, cache=self.cache, position_ids=position, use_cache=True)
@@ -259,7 +263,9 @@ def worker(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(int(args.threads))
         started = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).eval()
+        # compiled: docs/kernels.md's CPU recipe (inductor fuses the eager attention of a one-token step)
+        attention = {"attn_implementation": "eager"} if args.mode == "compiled" else {}
+        model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16, **attention).eval()
         load_s = time.perf_counter() - started
         ids = AutoTokenizer.from_pretrained(args.folder)(PROMPT, return_tensors="pt").input_ids
         prompt = ids[:, :PROMPT_TOKENS]
@@ -482,7 +488,9 @@ def write(args: argparse.Namespace, info: dict, results: dict) -> None:
         "",
         f"Decode: batch 1, greedy, {args.new_tokens} new tokens (llama.cpp: `llama-bench -n {args.new_tokens}` from an "
         f"empty context; ours: after an untimed {PROMPT_TOKENS}-token prompt, static KV cache, the new tokens' "
-        f"forwards only). Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
+        f"forwards only; compiled rows: docs/kernels.md's CPU recipe, eager attention and no guards on the "
+        "modules' parameters). "
+        f"Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
         f"{args.repeats} repeat(s), rows interleaved (rotated order), each of our rows a process of its own "
         "loaded with `from_pretrained`; medians; ratios are medians of per-repeat ratios. Weight MB/token: "
         "bytes of weights read per decoded token (ours: parameters + buffers, tied once; llama.cpp: "

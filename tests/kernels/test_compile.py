@@ -155,6 +155,31 @@ def test_static_cache_generation_compiles_once_and_gives_the_eager_tokens(dtype,
             torch.testing.assert_close(a, b)  # AOT autograd's decompositions may round float32 differently
 
 
+def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
+    """docs/kernels.md's CPU recipe: eager attention, no guards on the modules' parameters."""
+    model = compressed_llama(torch.bfloat16, "int8")
+    model.set_attn_implementation("eager")
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(
+        max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+        cache_implementation="static", max_cache_len=32, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        eager = model.generate(prompt, **kwargs)
+        counter = CompileCounterWithBackend("aot_eager")
+        model.forward = torch.compile(
+            model.forward, backend=counter, fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        )  # fmt: skip
+        got = model.generate(prompt, **kwargs)
+        again = model.generate(prompt, **kwargs)
+    assert model.config._attn_implementation == "eager"
+    assert counter.frame_count == 2 and not counters["graph_break"]  # the prefill and the decode step
+    assert torch.equal(got.sequences, eager.sequences) and torch.equal(again.sequences, eager.sequences)
+    for a, b in zip(got.logits, eager.logits):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.slow  # inductor's C++ compilation of the graph takes minutes on a small CPU
 def test_inductor_decode_matches_eager():
     # the real backend: inductor compiles the graph around the opaque kernel ops

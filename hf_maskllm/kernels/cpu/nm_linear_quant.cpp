@@ -351,11 +351,13 @@ TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Hal
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < TB; ++t) acc[i][t] = _mm512_setzero_ps();
   const int64_t full = kept / 64;
-  constexpr int64_t kBytes = BITS * 8;  // code bytes per block
+  constexpr int64_t kBytes = BITS * 8;                  // code bytes per block
+  constexpr int64_t kPrefetchBlocks = BITS == 8 ? 48 : 32;  // codes and meta prefetched this many blocks ahead
   for (int64_t blk = 0; blk < full; ++blk) {
     for (int i = 0; i < R; ++i) {
       const uint8_t* qi = q + i * q_stride + blk * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(qi) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qi) + kPrefetchBlocks * kBytes, _MM_HINT_T0);  // 3 / 1 KiB ahead
+      _mm_prefetch(reinterpret_cast<const char*>(meta_row + i * meta_stride + 16 * blk) + kPrefetchBlocks * 16, _MM_HINT_T0);
       block24q_vnni<TB, BITS, false>(acc[i], qi, meta_row + i * meta_stride + 16 * blk, s + i * s_stride, blk, 64, gs, gs_shift,
                                      scale_lane, xu + 128 * blk, xs + 16 * blk, Kp, xs_stride);
     }
