@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .denormals import MASKED_WEIGHT_FLOOR, flushed_product
-from .sampling import _number, sample_probs, soft_mask_from_probs
+from .sampling import sample_probs, schedule_number, soft_mask_from_probs
 
 __all__ = [
     "MaskedLinearFunction",
@@ -312,7 +312,7 @@ def masked_linear(
     b = bias.to(dtype) if bias is not None else None
     with torch.autocast(device, enabled=False):
         y, reg = MaskedLinearFunction.apply(
-            x2d, weight, b, logits, seed, int(n), int(m), _number(tau), _number(kappa), bool(hard), bool(with_reg),
+            x2d, weight, b, logits, seed, int(n), int(m), schedule_number(tau), schedule_number(kappa), bool(hard), bool(with_reg),
             bool(compiled), bool(x.device.type != "cpu" if recompute is None else recompute),
         )  # fmt: skip
     return y.reshape(*lead, y.shape[-1]), reg

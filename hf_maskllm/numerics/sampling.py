@@ -29,6 +29,7 @@ __all__ = [
     "max_probability",
     "sample_probs",
     "sample_soft_mask",
+    "schedule_number",
     "seed_tensor",
     "soft_mask_from_probs",
 ]
@@ -175,14 +176,14 @@ def sample_soft_mask(
     seed_t = draw_seed(logits.device) if seed is None else seed_tensor(seed, logits.device)
     n, m = int(candidates[0].sum()), candidates.shape[1]
     with torch.autocast(logits.device.type, enabled=False):  # float32 math even under bf16 autocast
-        probs = sample_probs(flush_gradient(logits), seed_t, _number(tau), _number(kappa))
+        probs = sample_probs(flush_gradient(logits), seed_t, schedule_number(tau), schedule_number(kappa))
         soft = torch.stack(soft_mask_from_probs(probs, n, m, hard=False), dim=-1)
         if not hard:
             return soft
         return soft + (torch.stack(soft_mask_from_probs(probs, n, m, hard=True), dim=-1) - soft).detach()
 
 
-def _number(value: float | torch.Tensor) -> float | torch.Tensor:
+def schedule_number(value: float | torch.Tensor) -> float | torch.Tensor:
     """A 0-d tensor as it is (compiled code reads its value at run time), any other number as a float."""
     return value if isinstance(value, torch.Tensor) else float(value)
 
