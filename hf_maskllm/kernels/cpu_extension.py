@@ -36,11 +36,12 @@ __all__ = ["CPU_ISA_LEVELS", "cpu_isa", "cpu_kernels", "set_cpu_isa"]
 logger = logging.getLogger(__name__)
 
 # nm_linear.cpp holds the float kernels and the Python module, nm_linear_quant.cpp the int8 / int4 N:M
-# ones, int8_linear.cpp the dense int8 layer.
+# ones, int8_linear.cpp the dense int8 layer; common.h what the three share.
 SOURCES = tuple(
     Path(__file__).resolve().parent / "cpu" / name
     for name in ("nm_linear.cpp", "nm_linear_quant.cpp", "int8_linear.cpp")
 )
+HEADERS = (Path(__file__).resolve().parent / "cpu" / "common.h",)
 # Instruction-set levels of the C++ dispatch, lowest first.
 CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
 _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}
@@ -49,7 +50,7 @@ _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}
 def _build_directory() -> Path:
     """One folder per torch version, Python version, machine type and sources (a changed source builds anew)."""
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     source = digest.hexdigest()[:12]
     tag = (

@@ -14,38 +14,10 @@
 // - Scalar: exact float32 arithmetic.
 // Each row is summed by one thread in a fixed order: results do not depend on the thread count.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
-#define HF_MASKLLM_X86 1
-#include <immintrin.h>
-#else
-#define HF_MASKLLM_X86 0
-#endif
-
-int64_t isa();  // nm_linear.cpp: the instruction-set level in use (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)
+#include "common.h"
 
 namespace {
 
-constexpr int kAvx2 = 1, kAvx512 = 2;
-constexpr int kTokenBlock = 8;      // tokens per row pass (VNNI)
-constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
-constexpr int kPrefetchBytes = 1024;
-
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
@@ -67,26 +39,6 @@ Route int8_route() {
   const int level = static_cast<int>(isa());
   if (level >= kAvx512 && has_vnni()) return kRouteVnni;
   return level >= kAvx2 ? kRouteAvx2 : kRouteScalar;
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
-
-int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-
-template <typename Fn>
-void with_token_block(int64_t tb, Fn&& fn) {
-  switch (tb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
 }
 
 void row_scalar(const int8_t* q, const float* xf, int64_t K, int64_t tokens, float* acc) {
@@ -200,9 +152,9 @@ void int8_linear_impl(const T* xp, int64_t tokens, int64_t K, const int8_t* qp, 
     for (int64_t t = 0; t < tokens; ++t) std::memcpy(&xpad[t * Kp], xf + t * K, K * sizeof(float));
   }
 #endif
-  const int64_t block = route == kRouteVnni ? kTokenBlock : kAvx2TokenBlock;
+  const int64_t block = route == kRouteVnni ? kMaxTokenBlock : kAvx2TokenBlock;
   at::parallel_for(0, out, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    float acc[kTokenBlock];
+    float acc[kMaxTokenBlock];
     std::vector<float> acc_all;
     if (route == kRouteScalar) acc_all.resize(tokens);
     for (int64_t r = begin; r < end; ++r) {

@@ -20,36 +20,11 @@
 // The instruction set is chosen at run time (set_isa); the file is compiled without -m flags, and
 // each vector routine carries its own target attribute.
 
-#include <torch/extension.h>
+#include "common.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
 #include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <vector>
-
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
-#define HF_MASKLLM_X86 1
-#include <immintrin.h>
-#else
-#define HF_MASKLLM_X86 0
-#endif
 
 namespace {
-
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#define TARGET_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
-#define TARGET_AVX512_VBMI2 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi2,avx2,fma,f16c")))
 
 #if HF_MASKLLM_X86
 int supported_isa() {
@@ -85,35 +60,6 @@ int current_isa() {
     g_isa.store(isa, std::memory_order_relaxed);
   }
   return isa;
-}
-
-constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers); more take more passes
-constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
-constexpr int kPrefetchBytes = 1024;  // how far ahead of the kept values a row pass prefetches
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
-
-template <typename T>
-inline T from_float(float v) {
-  return static_cast<T>(v);  // round to nearest even for bfloat16 and half
-}
-
-// Position (0..m-1) of kept value j of a row: b bits at bit j*b of the row's little-endian bitstream.
-inline int read_position(const uint8_t* meta_row, int64_t j, int b) {
-  const int64_t bit = j * b;
-  const int64_t byte = bit >> 3;
-  const int shift = static_cast<int>(bit & 7);
-  unsigned word = meta_row[byte];
-  if (shift + b > 8) word |= static_cast<unsigned>(meta_row[byte + 1]) << 8;
-  return static_cast<int>((word >> shift) & ((1u << b) - 1));
-}
-
-int meta_bits(int m) {
-  int b = 1;
-  while ((1 << b) < m) ++b;
-  return b;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -354,26 +300,6 @@ void avx2_layout(const T* x, int64_t tokens, int64_t K, int64_t Kp, const int* o
 }
 
 #endif  // HF_MASKLLM_X86
-
-// One row pass for `tb` (1..kMaxTokenBlock) tokens: dispatch to the instantiation with tb accumulators.
-template <typename Fn>
-void with_token_block(int64_t tb, Fn&& fn) {
-  switch (tb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-
-// Rows per task: enough kept values that a task outweighs the pool's overhead.
-int64_t row_grain(int64_t kept) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(kept, 1)); }
 
 template <typename T>
 void linear_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& values, const at::Tensor& meta, int n,

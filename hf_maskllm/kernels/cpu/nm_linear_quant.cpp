@@ -28,42 +28,12 @@
 //
 // The instruction set in use is the one nm_linear.cpp's set_isa chose.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
-#define HF_MASKLLM_X86 1
-#include <immintrin.h>
-#else
-#define HF_MASKLLM_X86 0
-#endif
-
-int64_t isa();  // nm_linear.cpp: the instruction-set level in use (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)
+#include "common.h"
 
 namespace {
 
-constexpr int kAvx2 = 1, kAvx512 = 2;
-constexpr int kMaxTokenBlock = 8;   // tokens per row pass (accumulators in registers)
-constexpr int kAvx2TokenBlock = 4;  // AVX2: 16 registers
 constexpr int64_t kPairedRowsMaxKept = 512;  // VNNI decode: rows of at most this many kept values run in pairs
-constexpr int kPrefetchBytes = 1024;
 
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#define TARGET_AVX512_VBMI2 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi2,avx2,fma,f16c")))
 #define TARGET_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 
@@ -86,30 +56,6 @@ bool has_vbmi2() {
 bool has_vnni() { return false; }
 bool has_vbmi2() { return false; }
 #endif
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
-
-template <typename T>
-inline T from_float(float v) {
-  return static_cast<T>(v);  // round to nearest even for bfloat16 and half
-}
-
-int meta_bits(int m) {
-  int b = 1;
-  while ((1 << b) < m) ++b;
-  return b;
-}
-
-inline int read_position(const uint8_t* meta_row, int64_t j, int b) {
-  const int64_t bit = j * b;
-  const int64_t byte = bit >> 3;
-  const int shift = static_cast<int>(bit & 7);
-  unsigned word = meta_row[byte];
-  if (shift + b > 8) word |= static_cast<unsigned>(meta_row[byte + 1]) << 8;
-  return static_cast<int>((word >> shift) & ((1u << b) - 1));
-}
 
 // Code of kept value j of a row.
 inline int code_at(const uint8_t* q, int64_t j, int bits) {
@@ -374,24 +320,6 @@ TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Hal
     for (int t = 0; t < TB; ++t) acc_out[i * kMaxTokenBlock + t] = _mm512_reduce_add_ps(acc[i][t]);
 }
 #endif  // HF_MASKLLM_X86
-
-template <typename Fn>
-void with_token_block(int64_t tb, Fn&& fn) {
-  switch (tb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-
-int64_t row_grain(int64_t bytes) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(bytes, 1)); }
 
 template <typename T>
 void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qvalues, const at::Tensor& scales,

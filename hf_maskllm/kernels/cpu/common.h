@@ -1,0 +1,91 @@
+// What the CPU kernels (nm_linear.cpp, nm_linear_quant.cpp, int8_linear.cpp) share: headers, the x86 switch,
+// instruction-set levels and target attributes, dtype conversion, the meta bitstream, the row-pass helpers.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(HF_MASKLLM_PORTABLE)
+#define HF_MASKLLM_X86 1
+#include <immintrin.h>
+#else
+#define HF_MASKLLM_X86 0
+#endif
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TARGET_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+#define TARGET_AVX512_VBMI2 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi2,avx2,fma,f16c")))
+
+int64_t isa();  // nm_linear.cpp: the instruction-set level in use (an Isa)
+
+namespace {
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+constexpr int kMaxTokenBlock = 8;     // tokens per row pass (accumulators in registers); more take more passes
+constexpr int kAvx2TokenBlock = 4;    // AVX2: 16 registers
+constexpr int kPrefetchBytes = 1024;  // how far ahead of the kept values a row pass prefetches
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);  // round to nearest even for bfloat16 and half
+}
+
+// Bits per kept value's position in the meta bitstream: ceil(log2 m).
+inline int meta_bits(int m) {
+  int b = 1;
+  while ((1 << b) < m) ++b;
+  return b;
+}
+
+// Position (0..m-1) of kept value j of a row: b bits at bit j*b of the row's little-endian bitstream.
+inline int read_position(const uint8_t* meta_row, int64_t j, int b) {
+  const int64_t bit = j * b;
+  const int64_t byte = bit >> 3;
+  const int shift = static_cast<int>(bit & 7);
+  unsigned word = meta_row[byte];
+  if (shift + b > 8) word |= static_cast<unsigned>(meta_row[byte + 1]) << 8;
+  return static_cast<int>((word >> shift) & ((1u << b) - 1));
+}
+
+// One row pass for `tb` (1..kMaxTokenBlock) tokens: dispatch to the instantiation with tb accumulators.
+template <typename Fn>
+inline void with_token_block(int64_t tb, Fn&& fn) {
+  switch (tb) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// Rows per task: enough work per row (kept values or bytes) that a task outweighs the pool's overhead.
+inline int64_t row_grain(int64_t per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(per_row, 1)); }
+
+}  // namespace
