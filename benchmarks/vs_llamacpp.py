@@ -30,9 +30,10 @@ Rows, at each thread count:
 - ``transformers dense bf16`` and ``2:4 <values>`` (eager / compiled): the checkpoint loaded with
   ``AutoModelForCausalLM.from_pretrained`` in a process of its own with ``OMP_NUM_THREADS`` and
   ``torch.set_num_threads`` set to the thread count, kept alive for the whole run. Decode: greedy, batch 1,
-  a static KV cache, an 8-token prompt forwarded first (not timed), then the new tokens one forward each;
-  the time of those forwards alone. Compiled: docs/kernels.md's CPU recipe, the checkpoint loaded with
-  ``attn_implementation="eager"`` and the one-token forward wrapped in ``torch.compile(fullgraph=True)``
+  a static KV cache, an 8-token prompt forwarded first (not timed), then the new tokens one step each (the
+  forward and the argmax that picks the next token); the time of those steps alone. Compiled:
+  docs/kernels.md's CPU recipe, the checkpoint loaded with ``attn_implementation="eager"`` and the
+  one-token step wrapped in ``torch.compile(fullgraph=True)``
   with ``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``, compiled during the
   warm-up (its time is recorded); the run records how many graphs dynamo compiled while being timed (0
   means no recompilation). Prefill (eager
@@ -226,8 +227,9 @@ class Decoder:
         self.step = torch.compile(self._step, fullgraph=True, options=options) if compiled else self._step
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """One token's forward and the greedy pick (compiled together: inductor fuses the argmax)."""
         out = self.model(input_ids=token, cache=self.cache, position_ids=position, use_cache=True)
-        return out.logits[:, -1]  # [1, vocab]
+        return out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
 
     @torch.no_grad()
     def __call__(self) -> tuple[float, list[int]]:
@@ -239,7 +241,7 @@ class Decoder:
         tokens = []
         start = time.perf_counter()
         for i in range(self.new_tokens):
-            token = self.step(token, torch.tensor([[length + i]])).argmax(-1, keepdim=True)
+            token = self.step(token, torch.tensor([[length + i]]))
             tokens.append(token)
         seconds = time.perf_counter() - start
         return seconds, [int(t) for t in torch.cat(tokens, 1)[0]]
@@ -488,8 +490,8 @@ def write(args: argparse.Namespace, info: dict, results: dict) -> None:
         "",
         f"Decode: batch 1, greedy, {args.new_tokens} new tokens (llama.cpp: `llama-bench -n {args.new_tokens}` from an "
         f"empty context; ours: after an untimed {PROMPT_TOKENS}-token prompt, static KV cache, the new tokens' "
-        f"forwards only; compiled rows: docs/kernels.md's CPU recipe, eager attention and no guards on the "
-        "modules' parameters). "
+        f"forwards and greedy picks only; compiled rows: docs/kernels.md's CPU recipe, eager attention and no "
+        "guards on the modules' parameters, the step's forward and argmax compiled together). "
         f"Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
         f"{args.repeats} repeat(s), rows interleaved (rotated order), each of our rows a process of its own "
         "loaded with `from_pretrained`; medians; ratios are medians of per-repeat ratios. Weight MB/token: "
