@@ -316,11 +316,38 @@ def to_int8_embeddings(model: nn.Module, quantize: bool = True) -> tuple[str, st
             layer.bias = nn.Parameter(out.bias.detach().clone(), requires_grad=out.bias.requires_grad)
     if embedding is not None:
         model.set_submodule(in_name, embedding)
-        tied = getattr(model, "all_tied_weights_keys", None)
-        if isinstance(tied, dict):  # the float weights transformers would tie no longer exist
-            tied.pop(f"{out_name}.weight", None)
+        # the float weights transformers would tie no longer exist: the int8 head reads the table itself
+        _record_tie(model, f"{out_name}.weight", None)
     model.set_submodule(out_name, layer)
     return out_name, in_name
+
+
+def _record_tie(model: nn.Module, target: str, source: str | None) -> None:
+    """Keep transformers' tied-weights mappings true to the layers: drop the tie of ``target`` (``source=None``:
+    the int8 output layer reads the input embedding's table itself, so ``model.tie_weights()`` has nothing to
+    tie) or restore it (``source``: float layers again).
+
+    ``tie_weights()`` reads ``all_tied_weights_keys``, or recomputes the mapping from each model class's
+    ``_tied_weights_keys``; a model whose class ties ``target`` gets an instance mapping without it, removed
+    again when the tie is restored.
+    """
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        if source is None:
+            tied.pop(target, None)
+        else:
+            tied[target] = source
+    for prefix, sub in model.named_modules():
+        mapping = getattr(type(sub), "_tied_weights_keys", None)
+        if not isinstance(mapping, dict) or not hasattr(sub, "get_expanded_tied_weights_keys"):
+            continue
+        local = target.removeprefix(f"{prefix}.") if prefix else target
+        if local not in mapping or (prefix and local == target):
+            continue
+        if source is None:
+            sub._tied_weights_keys = {k: v for k, v in mapping.items() if k != local}
+        else:
+            sub.__dict__.pop("_tied_weights_keys", None)
 
 
 def int8_embedding_keys(model: nn.Module) -> dict[str, str | None]:
@@ -388,9 +415,7 @@ def dequantize_embeddings(model: nn.Module) -> None:
             emb = nn.Embedding(table.num_embeddings, table.embedding_dim, table.padding_idx, device="meta")
             emb.weight = weight
             model.set_submodule(in_name, emb)
-            tied = getattr(model, "all_tied_weights_keys", None)
-            if isinstance(tied, dict):
-                tied[f"{name}.weight"] = f"{in_name}.weight"
+            _record_tie(model, f"{name}.weight", f"{in_name}.weight")
         model.set_submodule(name, linear)
     for name, module in list(model.named_modules()):  # an int8 input embedding left without its output layer
         if isinstance(module, Int8Embedding):

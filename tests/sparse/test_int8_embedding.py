@@ -139,6 +139,29 @@ def test_bfloat16_load_keeps_float16_scales_and_int8_codes(tmp_path):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_tie_weights_keeps_the_int8_layers_and_ties_again_after_dequantize(kind, tmp_path):
+    folder = _saved(tmp_path, kind)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    ids = _ids(5)
+    with torch.no_grad():
+        before = loaded(ids).logits
+    loaded.tie_weights()  # transformers' own call: nothing left for it to tie (the int8 head reads the table)
+    head = loaded.get_output_embeddings()
+    assert isinstance(head, Int8Linear) and head.tied == KINDS[kind]
+    assert isinstance(loaded.get_input_embeddings(), Int8Embedding if KINDS[kind] else torch.nn.Embedding)
+    if KINDS[kind]:
+        assert head.table() is loaded.get_input_embeddings()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)
+
+    plain = loaded.dequantize()
+    plain.tie_weights()
+    assert (plain.lm_head.weight is plain.model.embed_tokens.weight) == KINDS[kind]
+    assert "_tied_weights_keys" not in plain.__dict__  # the class's mapping again
+    assert ("lm_head.weight" in plain.all_tied_weights_keys) == KINDS[kind]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_dequantize_gives_a_plain_float_model_and_generate_gives_the_same_tokens(kind, tmp_path):
     folder = _saved(tmp_path, kind)
     loaded = AutoModelForCausalLM.from_pretrained(folder)
