@@ -20,7 +20,10 @@ Each entry point is a torch op in the ``hf_maskllm`` namespace (``sparse_linear`
 implementation, so ``torch.compile(model, fullgraph=True)`` sees one opaque node per call: no graph
 break, and no guard on a layer's data pointers or version counters, so nothing recompiles once warm. Eagerly the same
 implementation is called directly: a call through the dispatcher costs several microseconds of Python
-per layer, and a decoding model makes hundreds of these calls per token.
+per layer, and a decoding model makes hundreds of these calls per token. For the same reason a compiled
+CPU decode step (a fixed count of at most ``cpu_ops.CPU_DECODE_MAX_TOKENS`` tokens) reaches int8 / int4
+layers through ``sparse_decode_q``, whose kernel is the C++ decode kernel itself (registered by the
+extension when it loads), not a Python function.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import cpu_ops
 from .codes import dequantize_values
@@ -57,6 +61,15 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 def _cpu_ready() -> bool:
     """Whether the C++ kernels are built (a constant for ``torch.compile``: never traced into)."""
     return cpu_kernels() is not None
+
+
+def _cpu_decode(x: torch.Tensor, in_features: int) -> bool:
+    """Under ``torch.compile``: whether ``x`` is a CPU decode call that the C++ op ``sparse_decode_q`` serves
+    directly: a token count known to be at most ``cpu_ops.CPU_DECODE_MAX_TOKENS`` without a guard (a graph
+    with a dynamic length takes the general op and stays valid for every length)."""
+    if x.device.type != "cpu":
+        return False
+    return statically_known_true(x.numel() <= cpu_ops.CPU_DECODE_MAX_TOKENS * in_features) and _cpu_ready()
 
 
 def _triton_ready(n: int, m: int) -> bool:
@@ -207,6 +220,14 @@ _LIB.define(
     "int in_features, ScalarType dtype) -> Tensor"
 )
 _LIB.define("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor")
+# CPU decode of int8 / int4 layers (up to cpu_ops.CPU_DECODE_MAX_TOKENS tokens): its kernel is the C++
+# nm_linear_q itself, registered by the extension when it loads, so a compiled step calls it without the
+# few microseconds of Python a call of a Python kernel costs. Compiled graphs use it where the token count
+# is fixed; eager calls reach the same kernel through cpu_ops.
+_LIB.define(
+    "sparse_decode_q(Tensor x, Tensor qvalues, Tensor scales, Tensor meta, int n, int m, int bits, "
+    "int group_size, Tensor? bias) -> Tensor"
+)
 for _device in ("CPU", "CUDA"):
     _LIB.impl("sparse_linear", _linear_impl, _device)
     _LIB.impl("sparse_linear_q", _linear_q_impl, _device)
@@ -222,6 +243,11 @@ def _(x, values, meta, n, m, in_features, bias):
 
 @torch.library.register_fake("hf_maskllm::sparse_linear_q", lib=_LIB)
 def _(x, qvalues, scales, meta, n, m, bits, group_size, in_features, bias):
+    return x.new_empty((*x.shape[:-1], qvalues.shape[0]))
+
+
+@torch.library.register_fake("hf_maskllm::sparse_decode_q", lib=_LIB)
+def _(x, qvalues, scales, meta, n, m, bits, group_size, bias):
     return x.new_empty((*x.shape[:-1], qvalues.shape[0]))
 
 
@@ -280,6 +306,10 @@ def sparse_linear_q(
     The output is in ``x``'s dtype (accumulated in float32). Check :func:`has_kernel_q` first.
     """
     if torch.compiler.is_compiling():
+        if _cpu_decode(x, in_features):
+            return torch.ops.hf_maskllm.sparse_decode_q(
+                x, qvalues, scales, meta, n, m, bits, group_size, _bias_like(bias, x)
+            )
         return torch.ops.hf_maskllm.sparse_linear_q(
             x, qvalues, scales, meta, n, m, bits, group_size, in_features, bias
         )

@@ -175,6 +175,13 @@ def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
         again = model.generate(prompt, **kwargs)
     assert model.config._attn_implementation == "eager"
     assert counter.frame_count == 2 and not counters["graph_break"]  # the prefill and the decode step
+    # both graphs (the 6-token prompt and the one-token step: fixed token counts of at most 8) call the C++
+    # decode op directly, one node per layer
+    for gm in counter.graphs:
+        ops = [
+            str(n.target).removesuffix(".default") for n in gm.graph.nodes if "hf_maskllm" in str(n.target)
+        ]
+        assert ops == ["hf_maskllm.sparse_decode_q"] * layer_count(model)
     assert torch.equal(got.sequences, eager.sequences) and torch.equal(again.sequences, eager.sequences)
     for a, b in zip(got.logits, eager.logits):
         torch.testing.assert_close(a, b)
@@ -229,6 +236,15 @@ def test_opcheck_quantized_ops(bits):
     x, qvalues, scales, meta, bias = op_case(torch.float32, bits)
     args = (x, qvalues, scales, meta, 2, 4, bits, GROUP_SIZE, 64, bias)
     torch.library.opcheck(torch.ops.hf_maskllm.sparse_linear_q.default, args)
+    for tokens in (1, 3):  # the C++ decode op: the same results as the general op
+        decode_args = (x[:tokens], qvalues, scales, meta, 2, 4, bits, GROUP_SIZE, bias)
+        torch.library.opcheck(torch.ops.hf_maskllm.sparse_decode_q.default, decode_args)
+        assert torch.equal(
+            torch.ops.hf_maskllm.sparse_decode_q(*decode_args),
+            torch.ops.hf_maskllm.sparse_linear_q(
+                x[:tokens], qvalues, scales, meta, 2, 4, bits, GROUP_SIZE, 64, bias
+            ),
+        )
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(
             torch.ops.hf_maskllm.sparse_expand_q.default,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

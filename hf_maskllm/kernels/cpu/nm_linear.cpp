@@ -569,3 +569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");
   module.def("isa", &isa, "The instruction-set level in use");
 }
+
+// The kernel of the registered op hf_maskllm::sparse_decode_q (its schema and fake implementation are defined
+// in hf_maskllm/kernels/route.py): a compiled decode step calls nm_linear_q without a Python frame.
+TORCH_LIBRARY_IMPL(hf_maskllm, CPU, lib) { lib.impl("sparse_decode_q", &nm_linear_q); }
