@@ -66,10 +66,11 @@ def _cpu_ready() -> bool:
 def _cpu_decode(x: torch.Tensor, in_features: int) -> bool:
     """Under ``torch.compile``: whether ``x`` is a CPU decode call that the C++ op ``sparse_decode_q`` serves
     directly: a token count known to be at most ``cpu_ops.CPU_DECODE_MAX_TOKENS`` without a guard (a graph
-    with a dynamic length takes the general op and stays valid for every length)."""
-    if x.device.type != "cpu":
-        return False
-    return statically_known_true(x.numel() <= cpu_ops.CPU_DECODE_MAX_TOKENS * in_features) and _cpu_ready()
+    with a dynamic length takes the general op and stays valid for every length). The kernels are built:
+    callers checked :func:`has_kernel_q`."""
+    return x.device.type == "cpu" and statically_known_true(
+        x.numel() <= cpu_ops.CPU_DECODE_MAX_TOKENS * in_features
+    )
 
 
 def _triton_ready(n: int, m: int) -> bool:
