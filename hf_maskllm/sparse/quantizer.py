@@ -4,7 +4,7 @@ Loading: the quantizer first verifies the weight files (safetensors only, every 
 every tensor the model needs present with its shape), swaps every listed module for a
 :class:`SparseLinear` on the meta device, transformers fills their ``values`` / ``meta`` buffers
 straight from the safetensors files (no dense copy), then every module is validated (N:M positions,
-finite values).
+finite values) and the CPU weights leave the file mapping for huge pages (:mod:`.huge_pages`).
 
 Without hf_maskllm: ``config.json`` carries ``transformers_weights`` set to
 :data:`~hf_maskllm.sparse.format.LOAD_MARKER`, which plain transformers rejects with a ``ValueError``
@@ -44,6 +44,7 @@ from .format import (
     validate_quantized,
     value_bits,
 )
+from .huge_pages import to_huge_pages
 from .int8_embedding import (
     EMBEDDING_TYPES,
     Int8Embedding,
@@ -356,7 +357,8 @@ class NMSparseHfQuantizer(HfQuantizer):
                 )
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        """Verify after reading: every compressed module holds a well-formed N:M pair of finite values."""
+        """Verify after reading (every compressed module holds a well-formed N:M pair of finite values), then
+        move the CPU weights out of the file mapping onto huge pages (:mod:`.huge_pages`)."""
         cfg = self.quantization_config
         where = getattr(self, "_source", "the checkpoint")
         for name, module in model.named_modules():
@@ -403,6 +405,7 @@ class NMSparseHfQuantizer(HfQuantizer):
                     validate_rows(module.qweight, module.scales, *shape, name)
                 except CheckpointError as e:
                     raise CheckpointError(f"{where}: {e}") from None
+        to_huge_pages(model)
         bind_save_pretrained(model)
         return model
 
