@@ -37,7 +37,9 @@ def huge_pages_available() -> bool:
     ``HF_MASKLLM_HUGE_PAGES`` not ``0``."""
     if os.environ.get("HF_MASKLLM_HUGE_PAGES", "1").strip() == "0":
         return False
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not sys.platform.startswith("linux") or not all(
+        hasattr(mmap, flag) for flag in ("MADV_HUGEPAGE", "MAP_ANONYMOUS", "MAP_PRIVATE")
+    ):
         return False
     try:
         return "[never]" not in _THP_MODE.read_text()
