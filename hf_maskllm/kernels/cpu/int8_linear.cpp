@@ -111,8 +111,9 @@ TARGET_VNNI void row_vnni(const int8_t* q, int64_t K, const uint8_t* xu, const f
   const int64_t xs_stride = Kp / 64 * 16;
   for (int64_t k = 0; k < K; k += 64) {
     const __mmask64 mask = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;  // zero codes past the row
+    // no software prefetch: the rows are one sequential stream the hardware prefetcher follows, and a
+    // prefetch per 64 codes only took load slots (slower, most of all with the weights on huge pages)
     const __m512i w = _mm512_maskz_loadu_epi8(mask, q + k);
-    _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
     const __m512i start =
         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w));
     for (int t = 0; t < TB; ++t) {
