@@ -357,8 +357,8 @@ class NMSparseHfQuantizer(HfQuantizer):
                 )
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        """Verify after reading (every compressed module holds a well-formed N:M pair of finite values), then
-        move the CPU weights out of the file mapping onto huge pages (:mod:`.huge_pages`)."""
+        """Verify after reading (every compressed module holds a well-formed N:M pair of finite values), then,
+        for a model wholly on the CPU, move the weights out of the file mapping onto huge pages (:mod:`.huge_pages`)."""
         cfg = self.quantization_config
         where = getattr(self, "_source", "the checkpoint")
         for name, module in model.named_modules():
@@ -405,7 +405,10 @@ class NMSparseHfQuantizer(HfQuantizer):
                     validate_rows(module.qweight, module.scales, *shape, name)
                 except CheckpointError as e:
                     raise CheckpointError(f"{where}: {e}") from None
-        to_huge_pages(model)
+        # a model split across devices (accelerate's hooks hold its tensors) stays as dispatched
+        placed = getattr(model, "hf_device_map", None) or {}
+        if all(str(device) == "cpu" for device in placed.values()):
+            to_huge_pages(model)
         bind_save_pretrained(model)
         return model
 

@@ -146,3 +146,13 @@ def test_views_subclasses_and_other_tensors_stay_and_training_still_works():
     loss.backward()
     opt.step()
     assert not torch.equal(model.model.norm.weight, before["model.norm.weight"])
+
+
+@needs_thp
+def test_a_cpu_device_map_moves_the_weights_too(tmp_path):
+    save_compressed(merged_model("llama"), tmp_path / "c", values="int8", group_size=16)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", device_map="cpu")
+    gc.collect()
+    maps = _mappings()
+    assert not any(name.startswith(str(tmp_path / "c")) for _, _, name in maps)
+    assert all(_backing(t, maps) == "" for _, t in _weights(loaded))
