@@ -21,7 +21,7 @@ bandwidth of this machine are measured in the same run, on 256 MiB buffers, at e
 
 Quantized kept values (``--values``, format version 2; the ``quant_rows`` of the JSON): at the linear
 shapes of SmolLM2-135M and of Llama-3.2-1B (q/o 2048x2048, k/v 512x2048, gate/up 8192x2048, down
-2048x8192), bfloat16 inputs, ``--group-size`` kept values per scale, each route timed over copies of
+2048x8192), bfloat16 inputs, ``--group-size`` kept values per scale (one or several), each route timed over copies of
 at least ``QUANT_PASS_BYTES`` of the weight it reads, interleaved: dense bf16 ``F.linear``, the 2:4
 bf16 direct kernel, and ``nm_linear_q_cpu`` (int8 / int4 codes + scales + meta; up to 8 tokens the
 direct kernel at the best instruction set, whose AVX-512 VNNI route rounds the inputs to 8 bits, and
@@ -258,27 +258,35 @@ def int8_dense_routes(
     return routes
 
 
+def group_sizes(args: argparse.Namespace) -> list[int]:
+    """``--group-size`` as a list (``"8,16,32"``)."""
+    return [int(g) for g in str(args.group_size).split(",") if g]
+
+
 def quant_rows(
     ext: ModuleType, args: argparse.Namespace, threads: int, bandwidths: dict, isas: list[str], best: str
 ) -> list[dict]:
     rows = []
     cases = [
-        (values, shape_name, tokens)
+        (values, gs, shape_name, tokens)
         for values in [v for v in args.values.split(",") if v]
+        for gs in group_sizes(args)
         for shape_name in QUANT_SHAPES
         for tokens in [int(t) for t in args.quant_tokens.split(",")]
     ]
     if "int8" in args.values.split(
         ","
     ):  # the output embedding kept dense, stored in int8 (one scale per row)
-        cases += [("int8", OUTPUT_SHAPE, t) for t in [int(t) for t in args.quant_tokens.split(",")] if t <= 8]
-    for values, shape_name, tokens in cases:
+        cases += [
+            ("int8", None, OUTPUT_SHAPE, t) for t in [int(t) for t in args.quant_tokens.split(",")] if t <= 8
+        ]
+    for values, gs, shape_name, tokens in cases:
         bits = {"int8": 8, "int4": 4}[values]
         if shape_name == OUTPUT_SHAPE:
             routes = int8_dense_routes(ext, *OUTPUT_DIMS, tokens, isas)
         else:
             out_f, in_f = QUANT_SHAPES[shape_name]
-            routes = quant_routes(ext, out_f, in_f, bits, args.group_size, tokens, isas, best)
+            routes = quant_routes(ext, out_f, in_f, bits, gs, tokens, isas, best)
         timed = interleaved({name: fn for name, (fn, _, _) in routes.items()}, args.repeats)
         set_cpu_isa(None)
         per_layer = {name: timed[name] / copies for name, (_, copies, _) in routes.items()}
@@ -287,7 +295,7 @@ def quant_rows(
             rows.append(
                 {
                     "values": values,
-                    "group_size": args.group_size,
+                    "group_size": gs,
                     "threads": threads,
                     "layer": shape_name,
                     "tokens": tokens,
@@ -314,7 +322,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--values", default="int8,int4", help="quantized value types ('' for none)")
-    parser.add_argument("--group-size", type=int, default=32, help="kept values per scale (quantized rows)")
+    parser.add_argument(
+        "--group-size", default="32", help="kept values per scale of the quantized rows; several: 8,16,32"
+    )
     parser.add_argument(
         "--quant-tokens",
         default="1,2,4,8,16",
@@ -400,15 +410,16 @@ def main() -> None:
     if qrows:
         lines += [
             "",
-            f"Quantized kept values (group size {args.group_size}), bfloat16 inputs; GB/s counts codes + scales + meta "
+            "Quantized kept values (kept values per scale: the group size column; - for the dense int8 rows, one "
+            "scale per row), bfloat16 inputs; GB/s counts codes + scales + meta "
             "(dense: the bf16 weight; 2:4 bf16: values + meta; dequantize + GEMM: also the dense buffer).",
             "",
-            "| values | threads | layer | tokens | route | us / layer | speed vs dense bf16 | GB/s | of read bandwidth |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| values | group size | threads | layer | tokens | route | us / layer | speed vs dense bf16 | GB/s | of read bandwidth |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in qrows:
             lines.append(
-                f"| {r['values']} | {r['threads']} | {r['layer']} | {r['tokens']} | {r['route']} | "
+                f"| {r['values']} | {r['group_size'] or '-'} | {r['threads']} | {r['layer']} | {r['tokens']} | {r['route']} | "
                 f"{r['us_per_layer']:.0f} | {r['speed_vs_dense']:.2f}x | {r['GBps']:.1f} | {100 * r['of_read_bandwidth']:.0f}% |"
             )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
