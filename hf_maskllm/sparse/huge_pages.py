@@ -14,10 +14,12 @@ reclaimable by the kernel, at the cost of slower decoding).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,6 +81,34 @@ def _slots(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]
     return slots
 
 
+def _file_page_releaser() -> Callable[[int, int], None]:
+    """``release(address, nbytes)``: drop from this process the whole pages of a copied tensor's old bytes that
+    lie in a mapping of a file (``MADV_DONTNEED``), so that the file's pages and the copy are not both resident
+    until the last tensor is copied. The pages stay in the page cache, and reading them again would read the
+    file; nothing reads them: no tensor overlaps a moved one. Anonymous memory is never touched (there,
+    ``MADV_DONTNEED`` would zero it)."""
+    page = mmap.PAGESIZE
+    try:
+        files = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(v, 16) for v in fields[0].split("-"))
+                files.append((start, end))
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError, ValueError):
+        return lambda address, nbytes: None
+
+    def release(address: int, nbytes: int) -> None:
+        start, end = -(-address // page) * page, (address + nbytes) // page * page
+        if end > start and any(lo <= start and end <= hi for lo, hi in files):
+            madvise(start, end - start, mmap.MADV_DONTNEED)
+
+    return release
+
+
 @torch.no_grad()
 def to_huge_pages(model: torch.nn.Module) -> int:
     """Copy ``model``'s CPU parameters and buffers into one mapping advised for 2 MiB pages.
@@ -106,6 +136,7 @@ def to_huge_pages(model: torch.nn.Module) -> int:
     region.madvise(mmap.MADV_HUGEPAGE)
     view = memoryview(region)
     offset = -torch.frombuffer(view[:1], dtype=torch.uint8).data_ptr() % HUGE_PAGE
+    release = _file_page_releaser()
     for group, size in zip(groups, sizes):
         first = group[0]
         # torch.frombuffer holds a reference to its slice of the mapping: it lives as long as a tensor uses it
@@ -119,6 +150,7 @@ def to_huge_pages(model: torch.nn.Module) -> int:
                 new.__dict__.update(old.__dict__)
             for module, name in slots.get(id(old), []):
                 setattr(module, name, new)
+        release(first.data_ptr(), first.nbytes)
         offset += size
     logger.info("hf_maskllm: %.1f MB of weights moved onto transparent huge pages", total / 1e6)
     return total

@@ -6,6 +6,7 @@ views and parameter subclasses are left alone."""
 from __future__ import annotations
 
 import gc
+import mmap
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_maskllm.sparse  # noqa: F401  (registers the loader)
 from hf_maskllm.sparse import save_compressed
-from hf_maskllm.sparse.huge_pages import huge_pages_available, to_huge_pages
+from hf_maskllm.sparse.huge_pages import _file_page_releaser, huge_pages_available, to_huge_pages
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages on this system")
 
@@ -156,3 +157,35 @@ def test_a_cpu_device_map_moves_the_weights_too(tmp_path):
     maps = _mappings()
     assert not any(name.startswith(str(tmp_path / "c")) for _, _, name in maps)
     assert all(_backing(t, maps) == "" for _, t in _weights(loaded))
+
+
+def _mapping_rss_kb(address: int) -> int:
+    """Resident kB of the mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        header = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if header:
+            inside = int(header[1], 16) <= address < int(header[2], 16)
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_copied_file_pages_leave_the_process_and_anonymous_memory_is_never_released(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 4096 * 4)  # 4 MiB
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = torch.frombuffer(region, dtype=torch.uint8)
+    assert int(mapped.sum()) > 0  # every page resident
+    resident = _mapping_rss_kb(mapped.data_ptr())
+    anonymous = torch.arange(1 << 20, dtype=torch.int32)
+    release = _file_page_releaser()
+    release(mapped.data_ptr(), mapped.nbytes)
+    release(anonymous.data_ptr(), anonymous.nbytes)  # not a file's pages: left alone
+    assert _mapping_rss_kb(mapped.data_ptr()) < resident / 4
+    assert torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.int32))
+    assert torch.equal(
+        mapped[:512], torch.arange(256, dtype=torch.uint8).repeat(2)
+    )  # read from the file again
