@@ -64,6 +64,19 @@ def test_int8_linear_every_route(isa, dtype):
             assert_close(y, ref, scale, dtype, extra)
 
 
+def test_nan_and_inf_inputs_reach_their_token_only(isa):
+    """One NaN or inf input makes its token's outputs NaN / non-finite on every route (the VNNI route's input
+    rounding never turns it into a finite code); the other tokens are unchanged."""
+    x, q, s, b, w, ref, scale = case(3, 11, 200, torch.float32, True, seed=9)
+    clean = EXT.int8_linear(x, q, s, b)
+    x[1, 5] = float("nan")
+    x[2, 150] = float("inf")
+    y = EXT.int8_linear(x, q, s, b)
+    assert torch.equal(y[0], clean[0])
+    assert torch.isnan(y[1]).all()
+    assert not torch.isfinite(y[2]).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead", [(1,), (2, 4), (3, 5)])
 def test_route_by_token_count(dtype, lead):

@@ -112,6 +112,20 @@ def test_int4_minus_eight_and_zero_blocks(isa):
     check(y, x, dense, ref, x.double().abs() @ dense.abs().T, torch.float32, EXT.nm_linear_q_route(2, 4, 32))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nan_and_inf_inputs_reach_their_token_only(isa, bits):
+    """A NaN or an inf among a token's inputs makes that token's outputs NaN / non-finite, on every route
+    (the VNNI route's input rounding never turns them into finite codes); the other tokens are unchanged."""
+    x, q, s, meta, b, dense, ref, scale = case(3, 9, 256, 2, 4, bits, 32, torch.float32, True, seed=17)
+    clean = EXT.nm_linear_q(x, q, s, meta, 2, 4, bits, 32, b)
+    x[1, 32:64] = float("nan")  # a whole block of 32: every row reads some of it, whatever its mask
+    x[2, 96:128] = float("inf")
+    y = EXT.nm_linear_q(x, q, s, meta, 2, 4, bits, 32, b)
+    assert torch.equal(y[0], clean[0])
+    assert torch.isnan(y[1]).all()
+    assert not torch.isfinite(y[2]).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(

@@ -86,6 +86,33 @@ inline void with_token_block(int64_t tb, Fn&& fn) {
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+#if HF_MASKLLM_X86
+// 16 inputs times 127 / absmax to u8 = code + 128: the same float32 product and rounding as
+// std::nearbyint(v * inv), clamped to [-127, 127].
+TARGET_AVX512 inline __m128i codes16_u8(__m512 v, __m512 inv) {
+  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), r));
+  return _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(clamped), _mm512_set1_epi32(128)));
+}
+
+// The VNNI routes' input rounding, for `cnt` (0..32) inputs: 8-bit codes, scale = absmax / 127, round to
+// nearest even (llama.cpp's Q8_0 rounding), stored as u8 = code + 128 over `dst`'s first `cnt` bytes.
+// Returns the scale. All zeros, or an inf or NaN among the inputs, leave `dst` as it is (the caller's
+// code 0) and return the absmax itself: 0, or inf / NaN, which the products then carry to the outputs.
+TARGET_AVX512 inline float quantize32_u8(const float* x, int64_t cnt, uint8_t* dst) {
+  const __mmask16 k0 = static_cast<__mmask16>(cnt >= 16 ? 0xFFFFu : (1u << cnt) - 1);
+  const __mmask16 k1 = static_cast<__mmask16>(cnt >= 32 ? 0xFFFFu : cnt > 16 ? (1u << (cnt - 16)) - 1 : 0u);
+  const __m512 a = _mm512_maskz_loadu_ps(k0, x), b = _mm512_maskz_loadu_ps(k1, x + 16);
+  if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) return NAN;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  if (amax == 0.f || !std::isfinite(amax)) return amax;
+  const __m512 inv = _mm512_set1_ps(127.f / amax);
+  _mm_mask_storeu_epi8(dst, k0, codes16_u8(a, inv));
+  _mm_mask_storeu_epi8(dst + 16, k1, codes16_u8(b, inv));
+  return amax / 127.f;
+}
+#endif
+
 // Rows per task: enough work per row (kept values or bytes) that a task outweighs the pool's overhead.
 inline int64_t row_grain(int64_t per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(per_row, 1)); }
 

@@ -76,26 +76,14 @@ TARGET_AVX2 void row_avx2(const int8_t* q, int64_t K, const float* xf, int64_t K
   for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(acc[t]);
 }
 
-// Inputs per token and 32 inputs: xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 64, 16] (the scale
-// of each int32 lane's four inputs: lanes 0-7 the first 32 of a block of 64, lanes 8-15 the second).
+// Inputs per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 64, 16]
+// (the scale of each int32 lane's four inputs: lanes 0-7 the first 32 of a block of 64, lanes 8-15 the second).
 void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, uint8_t* xu, float* xs) {
   std::memset(xu, 128, tokens * Kp);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c0 = 0; c0 < Kp; c0 += 32) {
-      const float* xr = xf + t * K;
       const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(32, K - c0));
-      float amax = 0.f;
-      for (int64_t c = 0; c < cnt; ++c) amax = std::max(amax, std::fabs(xr[c0 + c]));
-      float scale = amax / 127.f;
-      if (amax == 0.f || !std::isfinite(amax)) {
-        scale = amax;  // zeros (or inf / NaN: no code can hold them)
-      } else {
-        const float inv = 127.f / amax;
-        for (int64_t c = 0; c < cnt; ++c) {
-          const float r = std::nearbyint(xr[c0 + c] * inv);
-          xu[t * Kp + c0 + c] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + 128);
-        }
-      }
+      const float scale = quantize32_u8(xf + t * K + c0, cnt, xu + t * Kp + c0);
       float* dst = xs + t * (Kp / 64) * 16 + (c0 / 64) * 16 + ((c0 / 32) % 2) * 8;
       for (int l = 0; l < 8; ++l) dst[l] = scale;
     }

@@ -190,8 +190,8 @@ struct NibbleCodes {
 const NibbleCodes kNibbleCodesTable;
 const int8_t* const kNibbleCodes = kNibbleCodesTable.v;
 
-// Inputs quantized per token and 32 inputs: xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 128, 16]
-// (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order).
+// Inputs quantized per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32
+// [T, Kp / 128, 16] (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order).
 TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, const VnniLayout& layout,
                                  uint8_t* xu, float* xs) {
   const int64_t blocks = Kp / 128;
@@ -202,19 +202,7 @@ TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int
       float sc[4];
       for (int sub = 0; sub < 4; ++sub) {
         const int64_t c0 = 128 * blk + 32 * sub;
-        const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(32, K - c0));
-        float amax = 0.f;
-        for (int64_t c = 0; c < cnt; ++c) amax = std::max(amax, std::fabs(xr[c0 + c]));
-        sc[sub] = amax / 127.f;
-        if (amax == 0.f || !std::isfinite(amax)) {  // zeros (or inf / NaN: no code can hold them)
-          sc[sub] = amax == 0.f ? 0.f : amax;
-          continue;
-        }
-        const float inv = 127.f / amax;
-        for (int64_t c = 0; c < cnt; ++c) {
-          const float r = std::nearbyint(xr[c0 + c] * inv);
-          xu[t * Kp + c0 + c] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, r))) + 128);
-        }
+        sc[sub] = quantize32_u8(xr + c0, std::max<int64_t>(0, std::min<int64_t>(32, K - c0)), xu + t * Kp + c0);
       }
       float* dst = xs + (t * blocks + blk) * 16;
       for (int l = 0; l < 16; ++l) dst[l] = sc[layout.xblock[l]];
