@@ -109,6 +109,22 @@ def _file_page_releaser() -> Callable[[int, int], None]:
     return release
 
 
+_CHUNK = 8 << 20  # bytes copied between two releases: the most a tensor is held twice
+
+
+def _copy_releasing(dst: torch.Tensor, src: torch.Tensor, release: Callable[[int, int], None]) -> None:
+    """Copy contiguous ``src`` into ``dst`` (same dtype and shape) 8 MiB at a time, releasing each copied piece
+    of ``src``'s file pages as it goes: a large tensor (a tied embedding) is never resident twice."""
+    if src.nbytes <= _CHUNK:
+        dst.copy_(src)
+    else:
+        to, of = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        for start in range(0, src.nbytes, _CHUNK):
+            to[start : start + _CHUNK].copy_(of[start : start + _CHUNK])
+            release(src.data_ptr() + start, min(_CHUNK, src.nbytes - start))
+    release(src.data_ptr(), src.nbytes)  # the whole range (pages that straddle two pieces included)
+
+
 @torch.no_grad()
 def to_huge_pages(model: torch.nn.Module) -> int:
     """Copy ``model``'s CPU parameters and buffers into one mapping advised for 2 MiB pages.
@@ -142,7 +158,7 @@ def to_huge_pages(model: torch.nn.Module) -> int:
         # torch.frombuffer holds a reference to its slice of the mapping: it lives as long as a tensor uses it
         moved = torch.frombuffer(view[offset : offset + first.nbytes], dtype=torch.uint8)
         moved = moved.view(first.dtype).view(first.shape)
-        moved.copy_(first)
+        _copy_releasing(moved, first, release)
         for old in group:
             new = moved
             if isinstance(old, torch.nn.Parameter):
@@ -150,7 +166,6 @@ def to_huge_pages(model: torch.nn.Module) -> int:
                 new.__dict__.update(old.__dict__)
             for module, name in slots.get(id(old), []):
                 setattr(module, name, new)
-        release(first.data_ptr(), first.nbytes)
         offset += size
     logger.info("hf_maskllm: %.1f MB of weights moved onto transparent huge pages", total / 1e6)
     return total

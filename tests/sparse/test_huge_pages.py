@@ -19,7 +19,12 @@ from transformers import AutoModelForCausalLM
 
 import hf_maskllm.sparse  # noqa: F401  (registers the loader)
 from hf_maskllm.sparse import save_compressed
-from hf_maskllm.sparse.huge_pages import _file_page_releaser, huge_pages_available, to_huge_pages
+from hf_maskllm.sparse.huge_pages import (
+    _copy_releasing,
+    _file_page_releaser,
+    huge_pages_available,
+    to_huge_pages,
+)
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages on this system")
 
@@ -189,3 +194,28 @@ def test_copied_file_pages_leave_the_process_and_anonymous_memory_is_never_relea
     assert torch.equal(
         mapped[:512], torch.arange(256, dtype=torch.uint8).repeat(2)
     )  # read from the file again
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_a_large_tensor_is_copied_in_pieces_whose_file_pages_leave_as_it_goes(tmp_path):
+    """A tensor larger than one piece (a tied embedding) is never resident twice: each copied piece's file pages
+    are released before the next piece is copied, and the copy is exact."""
+    path = tmp_path / "blob"
+    values = torch.randn(5 << 20, generator=torch.Generator().manual_seed(0))  # 20 MiB of float32
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = torch.frombuffer(region, dtype=torch.float32)
+    assert torch.equal(mapped, values)  # every page resident
+    release, resident_after = _file_page_releaser(), []
+
+    def recording_release(address: int, nbytes: int) -> None:
+        release(address, nbytes)
+        resident_after.append(_mapping_rss_kb(mapped.data_ptr()))
+
+    copy = torch.empty_like(values)
+    _copy_releasing(copy, mapped, recording_release)
+    assert torch.equal(copy, values)
+    assert len(resident_after) == 4  # three pieces of at most 8 MiB, then the whole range
+    assert resident_after[0] <= 13 * 1024 and resident_after[1] <= 5 * 1024 and resident_after[-1] < 256
+    assert torch.equal(mapped[:1000], values[:1000])  # read from the file again
