@@ -32,7 +32,7 @@ Rows, at each thread count:
   ``torch.set_num_threads`` set to the thread count, kept alive for the whole run. Decode: greedy, batch 1,
   a static KV cache, an 8-token prompt forwarded first (not timed), then the new tokens one step each (the
   forward and the argmax that picks the next token); the time of those steps alone. Compiled:
-  docs/kernels.md's CPU recipe, the checkpoint loaded with ``attn_implementation="eager"`` and the
+  docs/kernels.md's CPU recipe, the checkpoint loaded with ``attn_implementation="hf_maskllm"`` and the
   one-token step wrapped in ``torch.compile(fullgraph=True)``
   with ``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``, compiled during the
   warm-up (its time is recorded); the run records how many graphs dynamo compiled while being timed (0
@@ -217,11 +217,20 @@ def held_bytes(model: torch.nn.Module) -> int:
 class Decoder:
     """Greedy batch-1 decoding with a static KV cache; the one-token forward eager or compiled."""
 
-    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, compiled: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompt: torch.Tensor,
+        new_tokens: int,
+        compiled: bool,
+        cache_len: int = 0,
+    ) -> None:
         from transformers import StaticCache
 
         self.model, self.prompt, self.new_tokens = model, prompt, new_tokens
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + new_tokens + 8)
+        # the cache's size: by default just what the prompt and the new tokens fill, plus 8
+        size = cache_len or prompt.shape[1] + new_tokens + 8
+        self.cache = StaticCache(config=model.config, max_cache_len=size)
         # docs/kernels.md's CPU recipe: no guard on the modules' parameters (checked on every call otherwise)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.step = torch.compile(self._step, fullgraph=True, options=options) if compiled else self._step
@@ -265,15 +274,16 @@ def worker(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(int(args.threads))
         started = time.perf_counter()
-        # compiled: docs/kernels.md's CPU recipe (inductor fuses the eager attention of a one-token step)
-        attention = {"attn_implementation": "eager"} if args.mode == "compiled" else {}
+        # compiled: docs/kernels.md's CPU recipe (the decode step's attention reads only the filled cache)
+        attention = args.attention or ("hf_maskllm" if args.mode == "compiled" else None)
+        attention = {"attn_implementation": attention} if attention else {}
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16, **attention).eval()
         load_s = time.perf_counter() - started
         ids = AutoTokenizer.from_pretrained(args.folder)(PROMPT, return_tensors="pt").input_ids
         prompt = ids[:, :PROMPT_TOKENS]
         assert prompt.shape[1] == PROMPT_TOKENS, prompt.shape
         long_ids = torch.randint(100, 40000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
-        decode = Decoder(model, prompt, args.new_tokens, args.mode == "compiled")
+        decode = Decoder(model, prompt, args.new_tokens, args.mode == "compiled", args.cache_len)
         started = time.perf_counter()
         _, first_tokens = decode()  # compiles, when compiled
         first_s = time.perf_counter() - started
@@ -317,11 +327,13 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor) -> float:
 class Worker:
     """The parent's handle on a :func:`worker` process."""
 
-    def __init__(self, folder: Path, mode: str, threads: int, args: argparse.Namespace, log: Path) -> None:
+    def __init__(
+        self, folder: Path, mode: str, threads: int, args: argparse.Namespace, log: Path, extra: tuple = ()
+    ) -> None:
         self.log = log
         argv = [
             "--worker", "--folder", str(folder), "--mode", mode, "--threads", str(threads),
-            "--new-tokens", str(args.new_tokens), "--prefill", str(args.prefill),
+            "--new-tokens", str(args.new_tokens), "--prefill", str(args.prefill), *extra,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         with open(log, "a") as err:
@@ -490,7 +502,7 @@ def write(args: argparse.Namespace, info: dict, results: dict) -> None:
         "",
         f"Decode: batch 1, greedy, {args.new_tokens} new tokens (llama.cpp: `llama-bench -n {args.new_tokens}` from an "
         f"empty context; ours: after an untimed {PROMPT_TOKENS}-token prompt, static KV cache, the new tokens' "
-        f"forwards and greedy picks only; compiled rows: docs/kernels.md's CPU recipe, eager attention and no "
+        f"forwards and greedy picks only; compiled rows: docs/kernels.md's CPU recipe, hf_maskllm attention and no "
         "guards on the modules' parameters, the step's forward and argmax compiled together). "
         f"Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
         f"{args.repeats} repeat(s), rows interleaved (rotated order), each of our rows a process of its own "
@@ -618,6 +630,8 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--attention", help=argparse.SUPPRESS)  # the worker's attn_implementation
+    parser.add_argument("--cache-len", type=int, default=0, help=argparse.SUPPRESS)  # its static cache's size
     args = parser.parse_args()
     if args.worker:
         return worker(args)

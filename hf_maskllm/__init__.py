@@ -16,6 +16,7 @@ from .adapters import (
 )
 from .check import NMReport, check_nm
 from .errors import MaskLLMError
+from .kernels import attention as _attention  # noqa: F401  (registers attn_implementation="hf_maskllm")
 from .optim import MaskAdamW
 from .sparse import SparseLinear, save_compressed  # registers the compressed format with transformers
 from .training_args import MaskTrainingArguments

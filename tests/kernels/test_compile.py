@@ -156,9 +156,9 @@ def test_static_cache_generation_compiles_once_and_gives_the_eager_tokens(dtype,
 
 
 def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
-    """docs/kernels.md's CPU recipe: eager attention, no guards on the modules' parameters."""
+    """docs/kernels.md's CPU recipe: hf_maskllm attention, no guards on the modules' parameters."""
     model = compressed_llama(torch.bfloat16, "int8")
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation("hf_maskllm")
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
     kwargs = dict(
         max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
@@ -173,11 +173,16 @@ def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
         )  # fmt: skip
         got = model.generate(prompt, **kwargs)
         again = model.generate(prompt, **kwargs)
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "hf_maskllm"
     assert counter.frame_count == 2 and not counters["graph_break"]  # the prefill and the decode step
     # both graphs (the 6-token prompt and the one-token step: fixed token counts of at most 8) call the C++
-    # decode op directly, one node per layer
-    assert graph_ops(counter) == ["hf_maskllm.sparse_decode_q"] * 2 * layer_count(model)
+    # decode op of the compressed layers directly, one node per layer; the step's attention is the C++
+    # decode attention, one node per decoder layer (the prompt's, causal without a mask, is SDPA's)
+    ops = graph_ops(counter)
+    assert ops.count("hf_maskllm.sparse_decode_q") == 2 * layer_count(model)
+    step_ops = [str(node.target).removesuffix(".default") for node in counter.graphs[1].graph.nodes]
+    assert step_ops.count("hf_maskllm.decode_attention") == model.config.num_hidden_layers
+    assert len(ops) == 2 * layer_count(model) + model.config.num_hidden_layers
     assert torch.equal(got.sequences, eager.sequences) and torch.equal(again.sequences, eager.sequences)
     for a, b in zip(got.logits, eager.logits):
         torch.testing.assert_close(a, b)

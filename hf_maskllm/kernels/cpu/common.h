@@ -1,5 +1,6 @@
-// What the CPU kernels (nm_linear.cpp, nm_linear_quant.cpp, int8_linear.cpp) share: headers, the x86 switch,
-// instruction-set levels and target attributes, dtype conversion, the meta bitstream, the row-pass helpers.
+// What the CPU kernels (nm_linear.cpp, nm_linear_quant.cpp, int8_linear.cpp, decode_attention.cpp) share:
+// headers, the x86 switch, instruction-set levels and target attributes, dtype conversion, the meta bitstream,
+// the row-pass helpers.
 #pragma once
 
 #include <torch/extension.h>

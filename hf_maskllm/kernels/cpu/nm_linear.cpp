@@ -550,6 +550,9 @@ std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
 std::string int8_linear_route();
+// decode_attention.cpp: attention over the unmasked positions of a KV cache.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& mask, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The kernels touch no Python object: other Python threads run meanwhile.
@@ -564,6 +567,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("nm_linear_q_route", &nm_linear_q_route,
              "Which nm_linear_q route runs for (n, m, group_size): 'vnni', 'avx2' or 'scalar'");
   module.def("int8_linear", &int8_linear, "Dense linear from int8 codes with one scale per row (decode)",
+             py::call_guard<py::gil_scoped_release>());
+  module.def("decode_attention", &decode_attention,
+             "Attention of a few query tokens over the cache positions the boolean mask lets through",
              py::call_guard<py::gil_scoped_release>());
   module.def("int8_linear_route", &int8_linear_route, "Which int8_linear route runs: 'vnni', 'avx2' or 'scalar'");
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");

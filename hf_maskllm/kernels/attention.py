@@ -1,0 +1,123 @@
+"""``attn_implementation="hf_maskllm"``: decode-step attention on CPU that reads only the cached positions
+the mask lets through.
+
+A static KV cache (what ``torch.compile`` and ``cache_implementation="static"`` need) is allocated for
+its longest use, and the attention mask hides the positions not written yet. transformers' ``eager`` and
+``sdpa`` attention still compute over every position of the cache, so a compiled decode step slows with
+the cache's size (``max_cache_len``) rather than with the tokens in it. This implementation sends a step
+of at most :data:`DECODE_MAX_TOKENS` query tokens on CPU to a C++ kernel (``decode_attention.cpp``,
+registered as the torch op ``hf_maskllm::decode_attention`` with a fake implementation, so a compiled
+graph holds one node per layer) that skips masked positions 64 at a time; a step costs what the
+tokens in the cache cost. Everything else (prefill, GPUs, training, softcapping, attention sinks, a
+float mask) goes to transformers' ``sdpa`` attention, unchanged. Importing :mod:`hf_maskllm` registers
+the name with transformers' ``AttentionInterface`` and its boolean (``sdpa``) mask::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="hf_maskllm")
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cpu_extension import cpu_kernels
+
+__all__ = ["ATTENTION_NAME", "DECODE_MAX_TOKENS", "decode_attention", "decode_attention_forward"]
+
+ATTENTION_NAME = "hf_maskllm"
+# query tokens per call that the C++ kernel serves (decode steps); longer calls take SDPA's kernels
+DECODE_MAX_TOKENS = 8
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# attention features the kernel does not implement: a call that uses one goes to SDPA (which refuses
+# what it does not support itself)
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window_bias")
+
+_LIB = torch.library.Library("hf_maskllm", "FRAGMENT")  # held: the registration lives as long as it does
+_LIB.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+
+
+@torch.library.register_fake("hf_maskllm::decode_attention", lib=_LIB)
+def _(query, key, value, mask, scale):
+    batch, heads, tokens, _ = query.shape
+    return query.new_empty((batch, tokens, heads, value.shape[-1]))
+
+
+@torch.compiler.assume_constant_result
+def _kernel_ready() -> bool:
+    """Whether the C++ kernels are built (a constant for ``torch.compile``; loading them registers the op)."""
+    return cpu_kernels() is not None
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of ``query [B, H, T, D]`` over ``key [B, KVH, L, D]`` / ``value [B, KVH, L, Dv]``
+    (``H`` a multiple of ``KVH``), attending where the boolean ``mask`` (broadcast to ``[B, H, T, L]``) is
+    true, everywhere without one. Returns ``[B, T, H, Dv]`` in the query's dtype; a row with nothing to
+    attend gives zeros. CPU tensors of one dtype (float32, bfloat16, float16); no autograd."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_maskllm.decode_attention(query, key, value, mask, scale)
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise RuntimeError(
+            "hf_maskllm: decode_attention needs the CPU kernels, which could not be built (see the warning "
+            "above); use attn_implementation='sdpa' instead."
+        )
+    return kernels.decode_attention(query, key, value, mask, scale)
+
+
+def _served(module: torch.nn.Module, query, key, value, attention_mask, dropout, kwargs) -> bool:
+    """Whether the C++ kernel computes this call exactly as SDPA would (decided from static properties,
+    so a compiled graph takes one branch without a guard on data)."""
+    if query.device.type != "cpu" or query.dtype not in _DTYPES:
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype or key.device != query.device:
+        return False
+    if not statically_known_true(query.shape[2] <= DECODE_MAX_TOKENS):
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    if dropout and module.training:
+        return False
+    if any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS) or kwargs.get("output_attentions"):
+        return False
+    if attention_mask is None:
+        # SDPA attends every position when there is no mask and one query token (or a non-causal module)
+        is_causal = kwargs.get("is_causal")
+        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not (statically_known_true(query.shape[2] == 1) or not is_causal):
+            return False
+    elif attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return False
+    return _kernel_ready()
+
+
+def decode_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: decode steps on CPU through :func:`decode_attention`, the rest
+    through ``sdpa_attention_forward``. Returns ``(output [B, T, H, Dv], None)``."""
+    if not _served(module, query, key, value, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return decode_attention(query, key, value, attention_mask, float(scale)), None
+
+
+AttentionInterface.register(ATTENTION_NAME, decode_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
