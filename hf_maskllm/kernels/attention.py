@@ -7,10 +7,11 @@ its longest use, and the attention mask hides the positions not written yet. tra
 the cache's size (``max_cache_len``) rather than with the tokens in it. This implementation sends a step
 of at most :data:`DECODE_MAX_TOKENS` query tokens on CPU to a C++ kernel (``decode_attention.cpp``,
 registered as the torch op ``hf_maskllm::decode_attention`` with a fake implementation, so a compiled
-graph holds one node per layer) that skips masked positions 64 at a time; a step costs what the
-tokens in the cache cost. Everything else (prefill, GPUs, training, softcapping, attention sinks, a
-float mask) goes to transformers' ``sdpa`` attention, unchanged. Importing :mod:`hf_maskllm` registers
-the name with transformers' ``AttentionInterface`` and its boolean (``sdpa``) mask::
+graph holds one node per layer) that skips masked positions 8 at a time (a 64-bit word of the mask): a
+step costs what the tokens in the cache cost. Everything else (prefill, GPUs, training, softcapping,
+attention sinks, a float mask) goes to transformers' ``sdpa`` attention, unchanged. Importing
+:mod:`hf_maskllm` registers the name with transformers' ``AttentionInterface`` and its boolean
+(``sdpa``) mask::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="hf_maskllm")
 """
@@ -96,6 +97,8 @@ def _served(module: torch.nn.Module, query, key, value, attention_mask, dropout,
             return False
     elif attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return False
+    elif not statically_known_true(attention_mask.shape[-1] == key.shape[-2]):
+        return False  # a mask over more (or fewer) positions than the keys: SDPA's broadcasting rules
     return _kernel_ready()
 
 

@@ -177,15 +177,24 @@ def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
     assert counter.frame_count == 2 and not counters["graph_break"]  # the prefill and the decode step
     # both graphs (the 6-token prompt and the one-token step: fixed token counts of at most 8) call the C++
     # decode op of the compressed layers directly, one node per layer; the step's attention is the C++
-    # decode attention, one node per decoder layer (the prompt's, causal without a mask, is SDPA's)
+    # decode attention, one node per decoder layer. The prompt's attention is the kernel's too where
+    # transformers gives it a mask, SDPA's where it leaves the causal mask out (newer versions).
     ops = graph_ops(counter)
     assert ops.count("hf_maskllm.sparse_decode_q") == 2 * layer_count(model)
-    step_ops = [str(node.target).removesuffix(".default") for node in counter.graphs[1].graph.nodes]
-    assert step_ops.count("hf_maskllm.decode_attention") == model.config.num_hidden_layers
-    assert len(ops) == 2 * layer_count(model) + model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    attention = [
+        [str(node.target).removesuffix(".default") for node in gm.graph.nodes].count(
+            "hf_maskllm.decode_attention"
+        )
+        for gm in counter.graphs
+    ]
+    assert attention[1] == layers and attention[0] in (0, layers)
+    assert len(ops) == 2 * layer_count(model) + sum(attention)
     assert torch.equal(got.sequences, eager.sequences) and torch.equal(again.sequences, eager.sequences)
     for a, b in zip(got.logits, eager.logits):
-        torch.testing.assert_close(a, b)
+        # bfloat16: where transformers masks the compiled prompt but not the eager one, the prompt's attention
+        # is the kernel's in one and SDPA's in the other, rounded differently
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.slow  # inductor's C++ compilation of the graph takes minutes on a small CPU

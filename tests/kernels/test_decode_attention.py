@@ -229,3 +229,31 @@ def test_training_goes_to_sdpa_and_gets_gradients():
     ids = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(8))
     model(ids, labels=ids).loss.backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_calls_the_kernel_cannot_serve_go_to_sdpa(monkeypatch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+    monkeypatch.setattr(
+        attention, "decode_attention", lambda *args: calls.append(1) or decode_attention(*args)
+    )
+    module = tiny_llama(seed=9).model.layers[0].self_attn.eval()
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (
+        torch.randn(1, 4, 1, 16, generator=g),
+        torch.randn(1, 2, 6, 16, generator=g),
+        torch.randn(1, 2, 6, 16, generator=g),
+    )
+    cases = {
+        "a mask that broadcasts over the keys": dict(attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool)),
+        "a float mask": dict(attention_mask=torch.zeros(1, 1, 1, 6)),
+    }
+    for name, kwargs in cases.items():
+        got, _ = attention.decode_attention_forward(module, q, k, v, **kwargs)
+        expected, _ = sdpa_attention_forward(module, q, k, v, **kwargs)
+        assert torch.equal(got, expected), name
+    assert not calls
+    got, _ = attention.decode_attention_forward(module, q, k, v, None)  # one token, no mask: the kernel
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, None)[0])
+    assert calls == [1]

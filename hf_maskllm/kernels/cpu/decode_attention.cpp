@@ -6,8 +6,8 @@
 // `mask` is boolean (true = attend) and broadcasts to [B, H, T, L]; without one every position is
 // attended. A static KV cache is allocated for its longest use and the mask hides the positions not
 // yet written, so a step's cost follows the tokens in the cache, not the cache's size: the masked
-// positions are skipped 64 at a time by testing the mask's words. Query head h reads key / value head
-// h / (H / KVH) (grouped-query attention). Scores, softmax and the weighted sum are float32 (scores
+// positions are skipped 8 at a time by testing the mask's 64-bit words. Query head h reads key / value
+// head h / (H / KVH) (grouped-query attention). Scores, softmax and the weighted sum are float32 (scores
 // minus their maximum, then exp); a row whose mask lets nothing through gives zeros. Each output row is
 // computed by one thread in a fixed order: results do not depend on the thread count.
 
