@@ -8,8 +8,10 @@ the cache's size (``max_cache_len``) rather than with the tokens in it. This imp
 of at most :data:`DECODE_MAX_TOKENS` query tokens on CPU to a C++ kernel (``decode_attention.cpp``,
 registered as the torch op ``hf_maskllm::decode_attention`` with a fake implementation, so a compiled
 graph holds one node per layer) that skips masked positions 8 at a time (a 64-bit word of the mask): a
-step costs what the tokens in the cache cost. Everything else (prefill, GPUs, training, softcapping,
-attention sinks, a float mask) goes to transformers' ``sdpa`` attention, unchanged. Importing
+step costs what the tokens in the cache cost. Everything else (longer prompts, GPUs, training, a float
+mask, a position bias) goes to transformers' ``sdpa`` attention, unchanged; models whose attention uses
+softcapping or attention sinks (which SDPA does not implement either), and Gemma 4 (whose code treats
+the name ``sdpa`` specially), are refused. Importing
 :mod:`hf_maskllm` registers the name with transformers' ``AttentionInterface`` and its boolean
 (``sdpa``) mask::
 
@@ -32,9 +34,13 @@ ATTENTION_NAME = "hf_maskllm"
 # query tokens per call that the C++ kernel serves (decode steps); longer calls take SDPA's kernels
 DECODE_MAX_TOKENS = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# attention features the kernel does not implement: a call that uses one goes to SDPA (which refuses
-# what it does not support itself)
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window_bias")
+# attention features that neither the kernel nor SDPA implements (SDPA would silently ignore some): refused
+_REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
+# features SDPA implements and the kernel does not: a call that uses one goes to SDPA
+_SDPA_KWARGS = ("position_bias", "sliding_window_bias")
+# models whose code keeps SDPA's causal alignment only when the implementation is named "sdpa" (their
+# prompt's forward drops query tokens otherwise): refused rather than computed wrong
+_SDPA_BY_NAME = ("transformers.models.gemma4.", "transformers.models.gemma4_unified.")
 
 _LIB = torch.library.Library("hf_maskllm", "FRAGMENT")  # held: the registration lives as long as it does
 _LIB.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
@@ -81,13 +87,21 @@ def _served(module: torch.nn.Module, query, key, value, attention_mask, dropout,
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype or key.device != query.device:
         return False
-    if not statically_known_true(query.shape[2] <= DECODE_MAX_TOKENS):
+    if not (query.dim() == key.dim() == value.dim() == 4):
         return False
+    batch, heads, tokens = query.shape[:3]
+    if not (
+        statically_known_true(key.shape[0] == batch)
+        and statically_known_true(value.shape[0] == batch)
+        and statically_known_true(heads % key.shape[1] == 0)
+        and statically_known_true(tokens <= DECODE_MAX_TOKENS)
+    ):
+        return False  # SDPA broadcasts what the kernel does not (a batch of one query against many keys)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
-    if dropout and module.training:
+    if dropout:  # SDPA applies dropout whenever it is given one
         return False
-    if any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS) or kwargs.get("output_attentions"):
+    if any(kwargs.get(name) is not None for name in _SDPA_KWARGS) or kwargs.get("output_attentions"):
         return False
     if attention_mask is None:
         # SDPA attends every position when there is no mask and one query token (or a non-causal module)
@@ -97,8 +111,14 @@ def _served(module: torch.nn.Module, query, key, value, attention_mask, dropout,
             return False
     elif attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return False
-    elif not statically_known_true(attention_mask.shape[-1] == key.shape[-2]):
-        return False  # a mask over more (or fewer) positions than the keys: SDPA's broadcasting rules
+    elif not (
+        all(
+            statically_known_true(size == 1) or statically_known_true(size == full)
+            for size, full in zip(attention_mask.shape[:3], (batch, heads, tokens))
+        )
+        and statically_known_true(attention_mask.shape[3] == key.shape[2])
+    ):
+        return False  # a mask that broadcasts otherwise (over the keys, say): SDPA's broadcasting rules
     return _kernel_ready()
 
 
@@ -114,6 +134,16 @@ def decode_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: decode steps on CPU through :func:`decode_attention`, the rest
     through ``sdpa_attention_forward``. Returns ``(output [B, T, H, Dv], None)``."""
+    if type(module).__module__.startswith(_SDPA_BY_NAME):
+        raise ValueError(
+            f"attn_implementation='hf_maskllm' does not support {type(module).__name__}: the model's code "
+            "treats attention named 'sdpa' specially; load it with attn_implementation='sdpa' instead."
+        )
+    if refused := [name for name in _REFUSED_KWARGS if kwargs.get(name) is not None]:
+        raise ValueError(
+            f"attn_implementation='hf_maskllm' does not support {' or '.join(refused)} (this model's attention "
+            "uses it); load the model with attn_implementation='eager' instead."
+        )
     if not _served(module, query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -253,7 +253,18 @@ def test_calls_the_kernel_cannot_serve_go_to_sdpa(monkeypatch):
         got, _ = attention.decode_attention_forward(module, q, k, v, **kwargs)
         expected, _ = sdpa_attention_forward(module, q, k, v, **kwargs)
         assert torch.equal(got, expected), name
+    attention.decode_attention_forward(module, q, k, v, None, dropout=0.1)  # SDPA applies any dropout given
     assert not calls
+    for name in ("softcap", "s_aux", "sinks"):  # SDPA would ignore them: refused, naming them
+        with pytest.raises(ValueError, match=f"does not support {name}.*attn_implementation='eager'"):
+            attention.decode_attention_forward(module, q, k, v, None, **{name: torch.ones(4)})
+    gemma4 = type(
+        "Gemma4TextAttention",
+        (torch.nn.Module,),
+        {"__module__": "transformers.models.gemma4.modeling_gemma4"},
+    )
+    with pytest.raises(ValueError, match="Gemma4TextAttention.*attn_implementation='sdpa'"):
+        attention.decode_attention_forward(gemma4(), q, k, v, None)  # its code special-cases "sdpa"
     got, _ = attention.decode_attention_forward(module, q, k, v, None)  # one token, no mask: the kernel
     torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, None)[0])
     assert calls == [1]

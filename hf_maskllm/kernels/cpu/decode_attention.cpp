@@ -134,7 +134,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Te
     for (int64_t j = 0; j < L; ++j) everything[j] = static_cast<int32_t>(j);
   }
 #if HF_MASKLLM_X86
-  const bool vector = isa() >= kAvx512 && D % 16 == 0 && Dv % 16 == 0 && D <= 256 && Dv <= 256;
+  const bool vector = isa() >= kAvx512 && D > 0 && Dv > 0 && D % 16 == 0 && Dv % 16 == 0 && D <= 256 && Dv <= 256;
 #else
   const bool vector = false;
 #endif
