@@ -118,7 +118,7 @@ def write(args: argparse.Namespace, info: dict, rows: list[dict], models: dict) 
                 for x in rows
                 if (x["model"], x["threads"]) == (r["model"], r["threads"]) and x["attention"] != "eager"
             }
-        )  # noqa: E501
+        )
         for r in rows
     }
     lines += [

@@ -11,9 +11,8 @@ graph holds one node per layer) that skips masked positions 8 at a time (a 64-bi
 step costs what the tokens in the cache cost. Everything else (longer prompts, GPUs, training, a float
 mask, a position bias) goes to transformers' ``sdpa`` attention, unchanged; models whose attention uses
 softcapping or attention sinks (which SDPA does not implement either), and Gemma 4 (whose code treats
-the name ``sdpa`` specially), are refused. Importing
-:mod:`hf_maskllm` registers the name with transformers' ``AttentionInterface`` and its boolean
-(``sdpa``) mask::
+the name ``sdpa`` specially), are refused. Importing :mod:`hf_maskllm` registers the name with
+transformers' ``AttentionInterface`` and its boolean (``sdpa``) mask::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="hf_maskllm")
 """
@@ -81,8 +80,8 @@ def decode_attention(
 
 
 def _served(module: torch.nn.Module, query, key, value, attention_mask, dropout, kwargs) -> bool:
-    """Whether the C++ kernel computes this call exactly as SDPA would (decided from static properties,
-    so a compiled graph takes one branch without a guard on data)."""
+    """Whether the C++ kernel computes this call as SDPA would, up to rounding (decided from static
+    properties, so a compiled graph takes one branch without a guard on data)."""
     if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype or key.device != query.device:

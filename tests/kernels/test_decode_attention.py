@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 BEST = cpu_isa() if cpu_kernels() is not None else "scalar"
 LEVELS = CPU_ISA_LEVELS[: CPU_ISA_LEVELS.index(BEST) + 1]
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}  # ~2 ulp of the output's dtype
+DTYPES = list(TOL)
 
 
 @pytest.fixture(params=LEVELS)
@@ -68,7 +69,9 @@ SHAPES = [  # B, H, KVH, T, L, D, Dv
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_against_float64(isa, dtype, shape):
     b, h, kvh, t, length, d, dv = shape
-    g = torch.Generator().manual_seed(hash((isa, str(dtype), shape)) % 2**31)
+    g = torch.Generator().manual_seed(
+        100 * LEVELS.index(isa) + 10 * SHAPES.index(shape) + DTYPES.index(dtype)
+    )
     q = torch.randn(b, h, t, d, generator=g).to(dtype)
     k = torch.randn(b, kvh, length, d, generator=g).to(dtype)
     v = torch.randn(b, kvh, length, dv, generator=g).to(dtype)
