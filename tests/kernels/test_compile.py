@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import torch._dynamo
 from models import single_thread  # noqa: F401  (autouse fixture)
 from sparse_helpers import VOCAB, merged_model
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -28,9 +27,12 @@ from hf_maskllm.sparse.quantize import quantize_layers
 from hf_maskllm.sparse.quantized_linear import QuantizedSparseLinear
 
 REQUIRED = os.environ.get("HF_MASKLLM_REQUIRE_CPU_KERNELS") == "1"
-pytestmark = pytest.mark.skipif(
-    cpu_kernels() is None and not REQUIRED, reason="the CPU kernels could not be built here"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_kernels() is None and not REQUIRED, reason="the CPU kernels could not be built here"
+    ),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 GROUP_SIZE = 16  # divides every layer's kept count (32 and 64) of the tiny Llama
 OPS = {
@@ -91,14 +93,6 @@ CASES = [
     (torch.bfloat16, "int8"),
     (torch.float32, "int4"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype,values", CASES, ids=lambda c: str(c).replace("torch.", ""))

@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import torch._dynamo
 from models import single_thread, tiny_gemma, tiny_llama  # noqa: F401  (autouse fixture)
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -24,9 +23,12 @@ from hf_maskllm.kernels.attention import ATTENTION_NAME, decode_attention
 from hf_maskllm.kernels.cpu_extension import CPU_ISA_LEVELS, cpu_isa, cpu_kernels, set_cpu_isa
 
 REQUIRED = os.environ.get("HF_MASKLLM_REQUIRE_CPU_KERNELS") == "1"
-pytestmark = pytest.mark.skipif(
-    cpu_kernels() is None and not REQUIRED, reason="the CPU kernels could not be built here"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_kernels() is None and not REQUIRED, reason="the CPU kernels could not be built here"
+    ),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 BEST = cpu_isa() if cpu_kernels() is not None else "scalar"
 LEVELS = CPU_ISA_LEVELS[: CPU_ISA_LEVELS.index(BEST) + 1]
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}  # ~2 ulp of the output's dtype
@@ -148,14 +150,6 @@ def test_opcheck():
 # ------------------------------------------------------------------------------------------------
 # In models
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def with_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
