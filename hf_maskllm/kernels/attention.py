@@ -36,7 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # attention features that neither the kernel nor SDPA implements (SDPA would silently ignore some): refused
 _REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
 # features SDPA implements and the kernel does not: a call that uses one goes to SDPA
-_SDPA_KWARGS = ("position_bias", "sliding_window_bias")
+_SDPA_KWARGS = ("position_bias",)
 # models whose code keeps SDPA's causal alignment only when the implementation is named "sdpa" (their
 # prompt's forward drops query tokens otherwise): refused rather than computed wrong
 _SDPA_BY_NAME = ("transformers.models.gemma4.", "transformers.models.gemma4_unified.")
