@@ -17,7 +17,9 @@
 //       vpermt2b gathers the 64 inputs they multiply, vpdpbusd sums four byte products per int32 lane,
 //       and the lane goes to float32 times (weight scale x input scale). Inputs are stored as
 //       u8 = q + 128 (the unsigned operand); the int32 lanes start at -128 * (sum of the lane's codes),
-//       computed once per block for all tokens. Up to 4 tokens, short rows run two side by side.
+//       computed once per block for all tokens. One token: a thread's rows run one after another in one
+//       call, their sums reduced four at a time in _mm512_reduce_add_ps's order (the same bits); 2-4
+//       tokens: short rows run two side by side.
 //     - AVX2 (and AVX-512 where the route above does not apply), 2:4, group_size a multiple of 8: the
 //       inputs stay in float32; 8 codes are widened, scaled, and meet the inputs picked by two vpermps
 //       and a blend in an FMA.
@@ -268,20 +270,19 @@ TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8
   }
 }
 
-// R consecutive rows (q, s, meta advance by their strides) against TB tokens: acc_out[i * kMaxTokenBlock + t].
-// Two rows side by side give the core two independent chains (blocks and the final sums) where a row
-// holds few blocks; each row's arithmetic is the same as alone.
+// R consecutive rows (q, s, meta advance by their strides) against TB tokens: each row's 16-lane float32 sums
+// into acc[i][t]. Two rows side by side give the core two independent chains where a row holds few blocks
+// (several tokens); each row's arithmetic is the same as alone.
 template <int TB, int BITS, int R>
-TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
-                              const uint8_t* meta_row, int64_t meta_stride, int64_t kept, int64_t gs,
-                              const uint8_t* xu, const float* xs, int64_t Kp, float* acc_out) {
+TARGET_VNNI inline void lanes24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
+                                      const uint8_t* meta_row, int64_t meta_stride, int64_t kept, int64_t gs,
+                                      const uint8_t* xu, const float* xs, int64_t Kp, __m512 (&acc)[R][TB]) {
   const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
   // int32 lane -> the lane's group within the block's scales (group sizes 8, 16, 32)
   const __m512i scale_lane =
       _mm512_srli_epi32(_mm512_load_si512(layout.kept0), __builtin_ctzll(gs < 64 ? gs : 64));
   const int64_t xs_stride = Kp / 128 * 16;
   const int gs_shift = gs < 64 ? __builtin_ctzll(gs) : -1;  // the route takes 8, 16, 32 or multiples of 64
-  __m512 acc[R][TB];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < TB; ++t) acc[i][t] = _mm512_setzero_ps();
   const int64_t full = kept / 64;
@@ -304,8 +305,48 @@ TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Hal
                                     xs_stride);
     }
   }
+}
+
+// R rows against TB tokens, summed: acc_out[i * kMaxTokenBlock + t].
+template <int TB, int BITS, int R>
+TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
+                              const uint8_t* meta_row, int64_t meta_stride, int64_t kept, int64_t gs,
+                              const uint8_t* xu, const float* xs, int64_t Kp, float* acc_out) {
+  __m512 acc[R][TB];
+  lanes24q_vnni<TB, BITS, R>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xu, xs, Kp, acc);
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < TB; ++t) acc_out[i * kMaxTokenBlock + t] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+// The sums of four float32 vectors, each summed in _mm512_reduce_add_ps's order (lane i plus lane i + 8, then
+// + 4, + 2, + 1): a row's sum has the same bits whether it was reduced alone or as one of four.
+TARGET_VNNI inline __m128 reduce_add4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0xEE), _mm512_shuffle_f32x4(a0, a1, 0x44));
+  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0xEE), _mm512_shuffle_f32x4(a2, a3, 0x44));
+  // 128-bit lane k: vector k's 8 partial sums, first half in b01 / b23's even lanes, second half in the odd
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0xDD), _mm512_shuffle_f32x4(b01, b23, 0x88));
+  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
+  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xB1));
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), e));
+}
+
+// One token, `rows` consecutive rows one after another in one call (a single stream through the weights, no
+// per-row call): each row summed as rows24q_vnni<1, BITS, 1> sums it, the sums reduced four rows at a time
+// (the same bits) into sums[0, rows).
+template <int BITS>
+TARGET_VNNI void range24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
+                               const uint8_t* meta, int64_t meta_stride, int64_t rows, int64_t kept, int64_t gs,
+                               const uint8_t* xu, const float* xs, int64_t Kp, float* sums) {
+  __m512 done[4];
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc[1][1];  // in registers while the row is summed (done[] is indexed at run time)
+    lanes24q_vnni<1, BITS, 1>(q + r * q_stride, q_stride, s + r * s_stride, s_stride, meta + r * meta_stride,
+                              meta_stride, kept, gs, xu, xs, Kp, acc);
+    done[r & 3] = acc[0][0];
+    if ((r & 3) == 3) _mm_storeu_ps(sums + r - 3, reduce_add4(done[0], done[1], done[2], done[3]));
+  }
+  for (int64_t r = rows & ~int64_t{3}; r < rows; ++r) sums[r] = _mm512_reduce_add_ps(done[r & 3]);
 }
 #endif  // HF_MASKLLM_X86
 
@@ -349,6 +390,23 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
   const int b = meta_bits(m);
   const int64_t block = route == kRouteVnni ? kMaxTokenBlock : kAvx2TokenBlock;
   at::parallel_for(0, out, row_grain(q_stride), [&](int64_t begin, int64_t end) {
+#if HF_MASKLLM_X86
+    if (route == kRouteVnni && tokens == 1) {  // decode of one token: the thread's rows in one pass
+      constexpr int64_t kChunk = 256;
+      float sums[kChunk];
+      for (int64_t r0 = begin; r0 < end; r0 += kChunk) {
+        const int64_t rows = std::min<int64_t>(kChunk, end - r0);
+        if (bits == 8)
+          range24q_vnni<8>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
+                           meta_stride, rows, kept, gs, xu.data(), xs.data(), Kp, sums);
+        else
+          range24q_vnni<4>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
+                           meta_stride, rows, kept, gs, xu.data(), xs.data(), Kp, sums);
+        for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = from_float<T>(sums[i] + (bp ? to_float(bp[r0 + i]) : 0.f));
+      }
+      return;
+    }
+#endif
     float acc[2 * kMaxTokenBlock];
     std::vector<float> acc_all;
     if (route == kRouteScalar) acc_all.resize(tokens);
