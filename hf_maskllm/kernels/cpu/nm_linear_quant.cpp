@@ -323,7 +323,7 @@ TARGET_VNNI void rows24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Hal
 TARGET_VNNI inline __m128 reduce_add4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0xEE), _mm512_shuffle_f32x4(a0, a1, 0x44));
   const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0xEE), _mm512_shuffle_f32x4(a2, a3, 0x44));
-  // 128-bit lane k: vector k's 8 partial sums, first half in b01 / b23's even lanes, second half in the odd
+  // b01: vector 0's 8 sums, then vector 1's (b23: 2, 3); 128-bit lane k of c: vector k's first 4 + its last 4
   const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0xDD), _mm512_shuffle_f32x4(b01, b23, 0x88));
   const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
   const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xB1));
