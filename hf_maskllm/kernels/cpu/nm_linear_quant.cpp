@@ -421,7 +421,7 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
         ++r;
         continue;
       }
-      // VNNI, up to 4 tokens, short rows: two rows at a time
+      // VNNI, 2 to 4 tokens (one token took the pass above), short rows: two rows at a time
       const int64_t rows = route == kRouteVnni && tokens <= 4 && kept <= kPairedRowsMaxKept && r + 1 < end ? 2 : 1;
       for (int64_t t0 = 0; t0 < tokens; t0 += block) {
         const int64_t tb = std::min<int64_t>(block, tokens - t0);
@@ -431,7 +431,7 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
           if (route == kRouteVnni) {
             const uint8_t* xr = xu.data() + t0 * Kp;
             const float* xsr = xs.data() + t0 * (Kp / 128) * 16;
-            if constexpr (TB <= 4) {
+            if constexpr (TB >= 2 && TB <= 4) {  // a pass of one token here is a tail of 9+ tokens: one row
               if (rows == 2) {
                 if (bits == 8)
                   rows24q_vnni<TB, 8, 2>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
