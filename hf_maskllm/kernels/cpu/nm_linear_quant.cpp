@@ -17,9 +17,11 @@
 //       vpermt2b gathers the 64 inputs they multiply, vpdpbusd sums four byte products per int32 lane,
 //       and the lane goes to float32 times (weight scale x input scale). Inputs are stored as
 //       u8 = q + 128 (the unsigned operand); the int32 lanes start at -128 * (sum of the lane's codes),
-//       computed once per block for all tokens. One token: a thread's rows run one after another in one
-//       call, their sums reduced four at a time in _mm512_reduce_add_ps's order (the same bits); 2-4
-//       tokens: short rows run two side by side.
+//       computed once per block for all tokens (int4: from the stored nibbles by one vpdpbusd). One token:
+//       a thread's rows run one after another in one call with the layout's constants in registers, the
+//       scale products formed in a 128-bit register and spread to the lanes by one permute, the rows' sums
+//       reduced four at a time in _mm512_reduce_add_ps's order (the same bits as alone); 2-4 tokens: short
+//       rows run two side by side.
 //     - AVX2 (and AVX-512 where the route above does not apply), 2:4, group_size a multiple of 8: the
 //       inputs stay in float32; 8 codes are widened, scaled, and meet the inputs picked by two vpermps
 //       and a blend in an FMA.
@@ -193,15 +195,16 @@ const NibbleCodes kNibbleCodesTable;
 const int8_t* const kNibbleCodes = kNibbleCodesTable.v;
 
 // Inputs quantized per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32
-// [T, Kp / 128, 16] (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order).
+// [T, Kp / 128, 16] (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order),
+// xs4 float32 [T, Kp / 32] (the same scales, one per 32 inputs, in input order).
 TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, const VnniLayout& layout,
-                                 uint8_t* xu, float* xs) {
+                                 uint8_t* xu, float* xs, float* xs4) {
   const int64_t blocks = Kp / 128;
   std::memset(xu, 128, tokens * Kp);
   for (int64_t t = 0; t < tokens; ++t) {
     const float* xr = xf + t * K;
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      float sc[4];
+      float* sc = xs4 + (t * blocks + blk) * 4;
       for (int sub = 0; sub < 4; ++sub) {
         const int64_t c0 = 128 * blk + 32 * sub;
         sc[sub] = quantize32_u8(xr + c0, std::max<int64_t>(0, std::min<int64_t>(32, K - c0)), xu + t * Kp + c0);
@@ -212,6 +215,52 @@ TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int
   }
 }
 
+// The codes of one block of 64 kept values as signed bytes (q: the block's codes), and in `start` the int32
+// lanes' start, -128 * (sum of the lane's codes), so that (x + 128) . w sums to x . w. The row's last block
+// may hold only `rest` (a multiple of 8) kept values (TAIL): masked loads then read no byte past the row, and
+// the codes beyond it are zero.
+template <int BITS, bool TAIL>
+TARGET_VNNI inline __m512i codes24q(const uint8_t* q, int64_t rest, const __m512i nibble_codes, __m512i& start) {
+  const __m512i minus128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (BITS == 8) {
+    const __m512i w = TAIL ? _mm512_maskz_loadu_epi8((1ull << rest) - 1, q) : _mm512_loadu_si512(q);
+    start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, w));
+    return w;
+  } else {
+    // both halves read the 32 packed bytes; the upper half shifted right by 4 (high nibbles to bits 0-3);
+    // vpermb maps index bits 0-5 (the nibble and two bits above it) to nibble - 8
+    const __mmask32 k = TAIL ? (1u << (rest / 2)) - 1 : ~0u;
+    const __m512i both = _mm512_broadcast_i64x4(TAIL ? _mm256_maskz_loadu_epi8(k, q)
+                                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m512i shifted = _mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4);
+    __m512i w = _mm512_permutexvar_epi8(shifted, nibble_codes);
+    if constexpr (TAIL) {
+      w = _mm512_maskz_mov_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), w);
+      start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, w));
+    } else {
+      // from the stored nibbles n = code + 8: -128 * sum(n - 8) = 4096 - 128 * sum(n) over a lane's four codes
+      // (the same int32s; an AND where the sum of the codes would need a subtraction)
+      const __m512i n = _mm512_and_si512(shifted, _mm512_set1_epi8(15));
+      start = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), n, minus128);
+    }
+    return w;
+  }
+}
+
+// The 64 input byte indices (within the block's 128 inputs) of a block's kept values, from its 16 meta bytes:
+// each 64-bit lane gets its meta qword by a permute, vpmultishiftqb moves each value's position bits to its
+// byte, and one ternary-logic op makes (position bits & 3) | 4 * group (0xEA = (A & B) | C).
+template <int BITS, bool TAIL>
+TARGET_VNNI inline __m512i indices24(const uint8_t* meta, int64_t rest, const __m512i ctrl, const __m512i base) {
+  const __mmask8 lanes1 = BITS == 8 ? 0xF0 : 0xCC;  // the lanes that read the second meta qword
+  const __m128i mm = TAIL ? _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (rest / 4)) - 1), meta)
+                          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta));
+  const __m512i words = _mm512_permutexvar_epi64(
+      lanes1 == 0xF0 ? _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1) : _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1),
+      _mm512_castsi128_si512(mm));
+  return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(ctrl, words), _mm512_set1_epi8(3), base, 0xEA);
+}
+
 // One block of 64 kept values against TB tokens. q: the block's codes, meta: its 16 meta bytes, s: the
 // row's float16 scales. The row's last block may hold only `rest` (a multiple of 8) kept values
 // (TAIL): masked loads then read no byte past the row, and the codes beyond it are zero.
@@ -220,33 +269,10 @@ TARGET_VNNI inline void block24q_vnni(__m512* acc, const uint8_t* q, const uint8
                                       int64_t blk, int64_t rest, int64_t gs, int gs_shift, const __m512i scale_lane,
                                       const uint8_t* x, const float* xsb, int64_t Kp, int64_t xs_stride) {
   const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
-  // ---- codes, signed bytes
-  __m512i w;
-  if constexpr (BITS == 8) {
-    w = TAIL ? _mm512_maskz_loadu_epi8((1ull << rest) - 1, q) : _mm512_loadu_si512(q);
-  } else {
-    // both halves read the 32 packed bytes; the upper half shifted right by 4 (high nibbles to bits 0-3);
-    // vpermb maps index bits 0-5 (the nibble and two bits above it) to nibble - 8
-    const __mmask32 k = TAIL ? (1u << (rest / 2)) - 1 : ~0u;
-    const __m512i both = _mm512_broadcast_i64x4(TAIL ? _mm256_maskz_loadu_epi8(k, q)
-                                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    const __m512i shifted = _mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4);
-    w = _mm512_permutexvar_epi8(shifted, _mm512_load_si512(kNibbleCodes));
-    if constexpr (TAIL) w = _mm512_maskz_mov_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), w);
-  }
-  // ---- input byte indices from the meta bits: each 64-bit lane gets its meta qword by a permute
-  const __mmask8 lanes1 = BITS == 8 ? 0xF0 : 0xCC;  // the lanes that read the second meta qword
-  const __m128i mm = TAIL ? _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (rest / 4)) - 1), meta)
-                          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta));
-  const __m512i words = _mm512_permutexvar_epi64(
-      lanes1 == 0xF0 ? _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1) : _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1),
-      _mm512_castsi128_si512(mm));
-  // (position bits & 3) | 4 * group: 0xEA = (A & B) | C
-  const __m512i idx = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(layout.ctrl), words),
-                                                _mm512_set1_epi8(3), _mm512_load_si512(layout.base), 0xEA);
-  // ---- -128 * (sum of each lane's codes): the lanes' start, so that (x + 128) . w sums to x . w
-  const __m512i start = _mm512_sub_epi32(
-      _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
+  __m512i start;
+  const __m512i w = codes24q<BITS, TAIL>(q, rest, _mm512_load_si512(kNibbleCodes), start);
+  const __m512i idx =
+      indices24<BITS, TAIL>(meta, rest, _mm512_load_si512(layout.ctrl), _mm512_load_si512(layout.base));
   // ---- weight scale of each int32 lane
   // (straight from the float16 scales: a float32 copy on the stack would be stored and read back at once,
   // a load the store cannot forward)
@@ -331,22 +357,126 @@ TARGET_VNNI inline __m128 reduce_add4(__m512 a0, __m512 a1, __m512 a2, __m512 a3
       _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), e));
 }
 
+// One token's weight x input scale of each int32 lane in a block: the block's weight scales (s: the row's,
+// GS: the group size, 0 for a multiple of 64) times its four input scales (xs4), as 4 (8 for GS 8) products
+// in a small register, spread to the 16 lanes by `lane` (BITS 4: lane l holds kept values 8 (l % 8) .. + 7,
+// inputs 16 (l % 8) .. + 15; BITS 8: kept 4l .. 4l + 3, inputs 8l .. 8l + 7). The same float32 products as
+// the lane-wise ones of block24q_vnni. TAIL: only `rest` kept values, so only their scales are read.
+template <int GS, bool TAIL>
+TARGET_VNNI inline __m512 scales24_one(const c10::Half* s, int64_t blk, int64_t rest, int64_t gs, const float* xs4,
+                                       const __m512i lane) {
+  const __m128 sx = _mm_loadu_ps(xs4);
+  __m256 p;
+  if constexpr (GS == 0) {  // one weight scale: sw * sx[k]
+    uint16_t h;
+    std::memcpy(&h, s + 64 * blk / gs, 2);
+    p = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(_cvtsh_ss(h)), sx));
+  } else {
+    constexpr int kScales = 64 / GS;
+    const c10::Half* sb = s + kScales * blk;
+    __m128i h;
+    if constexpr (TAIL) {
+      h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << (rest / GS)) - 1), sb);
+    } else if constexpr (GS == 32) {
+      int32_t two;
+      std::memcpy(&two, sb, 4);
+      h = _mm_cvtsi32_si128(two);
+    } else if constexpr (GS == 16) {
+      h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb));
+    } else {
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb));
+    }
+    if constexpr (GS == 32) {  // sw[k / 2] * sx[k]
+      const __m128 f = _mm_cvtph_ps(h);
+      p = _mm256_castps128_ps256(_mm_mul_ps(_mm_unpacklo_ps(f, f), sx));
+    } else if constexpr (GS == 16) {  // sw[k] * sx[k]
+      p = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(h), sx));
+    } else {  // GS 8: sw[j] * sx[j / 2]
+      const __m256 sx2 = _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_castps128_ps256(sx));
+      p = _mm256_mul_ps(_mm256_cvtph_ps(h), sx2);
+    }
+  }
+  return _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(p));
+}
+
+// Which product of scales24_one each int32 lane takes.
+template <int BITS, int GS>
+TARGET_VNNI inline __m512i scale_lanes_one() {
+  alignas(64) int32_t v[16];
+  for (int l = 0; l < 16; ++l) {
+    const int k = BITS == 8 ? l / 4 : (l % 8) / 2;  // the lane's input scale (32 inputs)
+    v[l] = GS == 8 ? (BITS == 8 ? l / 2 : l % 8) : k;
+  }
+  return _mm512_load_si512(v);
+}
+
+// One block of 64 kept values (block `blk` of a row: q its codes, meta its meta bytes, s the row's scales)
+// against one token, added to acc.
+template <int BITS, int GS, bool TAIL>
+TARGET_VNNI inline void block24q_one(__m512& acc, const uint8_t* q, const uint8_t* meta, const c10::Half* s,
+                                     int64_t blk, int64_t rest, int64_t gs, const uint8_t* xu, const float* xs4,
+                                     const __m512i nibble_codes, const __m512i ctrl, const __m512i base,
+                                     const __m512i lane) {
+  __m512i start;
+  const __m512i w = codes24q<BITS, TAIL>(q, rest, nibble_codes, start);
+  const __m512i idx = indices24<BITS, TAIL>(meta, rest, ctrl, base);
+  const __m512 sc = scales24_one<GS, TAIL>(s, blk, rest, gs, xs4 + 4 * blk, lane);
+  const uint8_t* x = xu + 128 * blk;
+  const __m512i g = _mm512_permutex2var_epi8(_mm512_loadu_si512(x), idx, _mm512_loadu_si512(x + 64));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, g, w)), sc, acc);
+}
+
+// A row's last block of `rest` kept values (fewer than 64), for range24q_vnni. Not inlined: with it in the
+// row loop, the compiler copied the layout's constants between registers on every block (about 10% slower).
+template <int BITS, int GS>
+TARGET_VNNI __attribute__((noinline)) void tail24q_one(__m512& acc, const uint8_t* q, const uint8_t* meta,
+                                                       const c10::Half* s, int64_t blk, int64_t rest, int64_t gs,
+                                                       const uint8_t* xu, const float* xs4, const __m512i lane) {
+  const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
+  block24q_one<BITS, GS, true>(acc, q, meta, s, blk, rest, gs, xu, xs4, _mm512_load_si512(kNibbleCodes),
+                               _mm512_load_si512(layout.ctrl), _mm512_load_si512(layout.base), lane);
+}
+
 // One token, `rows` consecutive rows one after another in one call (a single stream through the weights, no
-// per-row call): each row summed as rows24q_vnni<1, BITS, 1> sums it, the sums reduced four rows at a time
-// (the same bits) into sums[0, rows).
-template <int BITS>
+// per-row call; the layout's constants stay in registers): each row's blocks summed in order as block24q_vnni
+// sums them for one token (the same bits), the sums reduced four rows at a time into sums[0, rows). GS: the
+// group size (8, 16, 32), 0 for a multiple of 64.
+template <int BITS, int GS>
 TARGET_VNNI void range24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
                                const uint8_t* meta, int64_t meta_stride, int64_t rows, int64_t kept, int64_t gs,
-                               const uint8_t* xu, const float* xs, int64_t Kp, float* sums) {
+                               const uint8_t* xu, const float* xs4, float* sums) {
+  const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
+  const __m512i nibble_codes = _mm512_load_si512(kNibbleCodes), ctrl = _mm512_load_si512(layout.ctrl),
+                base = _mm512_load_si512(layout.base), lane = scale_lanes_one<BITS, GS>();
+  const int64_t full = kept / 64, rest = kept - 64 * full;  // rest: a multiple of 8
+  constexpr int64_t kBytes = BITS * 8;                       // code bytes per block
+  constexpr int64_t kPrefetchBlocks = BITS == 8 ? 48 : 32;   // codes and meta prefetched this many blocks ahead
   __m512 done[4];
   for (int64_t r = 0; r < rows; ++r) {
-    __m512 acc[1][1];  // in registers while the row is summed (done[] is indexed at run time)
-    lanes24q_vnni<1, BITS, 1>(q + r * q_stride, q_stride, s + r * s_stride, s_stride, meta + r * meta_stride,
-                              meta_stride, kept, gs, xu, xs, Kp, acc);
-    done[r & 3] = acc[0][0];
+    const uint8_t* qr = q + r * q_stride;
+    const uint8_t* mr = meta + r * meta_stride;
+    const c10::Half* sr = s + r * s_stride;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < full; ++blk) {
+      const uint8_t* qb = qr + blk * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(qb) + kPrefetchBlocks * kBytes, _MM_HINT_T0);  // 3 / 1 KiB ahead
+      _mm_prefetch(reinterpret_cast<const char*>(mr + 16 * blk) + kPrefetchBlocks * 16, _MM_HINT_T0);
+      block24q_one<BITS, GS, false>(acc, qb, mr + 16 * blk, sr, blk, rest, gs, xu, xs4, nibble_codes, ctrl, base, lane);
+    }
+    if (rest) tail24q_one<BITS, GS>(acc, qr + full * kBytes, mr + 16 * full, sr, full, rest, gs, xu, xs4, lane);
+    done[r & 3] = acc;
     if ((r & 3) == 3) _mm_storeu_ps(sums + r - 3, reduce_add4(done[0], done[1], done[2], done[3]));
   }
   for (int64_t r = rows & ~int64_t{3}; r < rows; ++r) sums[r] = _mm512_reduce_add_ps(done[r & 3]);
+}
+
+// f(std::integral_constant<int, GS>) for a VNNI route group size (8, 16, 32; 0 for a multiple of 64).
+template <typename F>
+void with_vnni_group(int64_t gs, F&& f) {
+  if (gs == 8) f(std::integral_constant<int, 8>{});
+  else if (gs == 16) f(std::integral_constant<int, 16>{});
+  else if (gs == 32) f(std::integral_constant<int, 32>{});
+  else f(std::integral_constant<int, 0>{});
 }
 #endif  // HF_MASKLLM_X86
 
@@ -374,13 +504,14 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
   int64_t Kp = K;
   std::vector<float> xpad;
   std::vector<uint8_t> xu;
-  std::vector<float> xs;
+  std::vector<float> xs, xs4;
 #if HF_MASKLLM_X86
   if (route == kRouteVnni) {
     Kp = round_up(K, 128) + 64;
     xu.resize(tokens * Kp);
     xs.resize(tokens * (Kp / 128) * 16);
-    quantize_inputs(xf, tokens, K, Kp, bits == 8 ? kLayout8 : kLayout4, xu.data(), xs.data());
+    xs4.resize(tokens * (Kp / 32));
+    quantize_inputs(xf, tokens, K, Kp, bits == 8 ? kLayout8 : kLayout4, xu.data(), xs.data(), xs4.data());
   } else if (route == kRouteAvx2) {
     Kp = round_up(K, 16) + 32;
     xpad.assign(tokens * Kp, 0.f);
@@ -396,12 +527,15 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
       float sums[kChunk];
       for (int64_t r0 = begin; r0 < end; r0 += kChunk) {
         const int64_t rows = std::min<int64_t>(kChunk, end - r0);
-        if (bits == 8)
-          range24q_vnni<8>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
-                           meta_stride, rows, kept, gs, xu.data(), xs.data(), Kp, sums);
-        else
-          range24q_vnni<4>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
-                           meta_stride, rows, kept, gs, xu.data(), xs.data(), Kp, sums);
+        with_vnni_group(gs, [&](auto group) {
+          constexpr int GS = decltype(group)::value;
+          if (bits == 8)
+            range24q_vnni<8, GS>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
+                                 meta_stride, rows, kept, gs, xu.data(), xs4.data(), sums);
+          else
+            range24q_vnni<4, GS>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
+                                 meta_stride, rows, kept, gs, xu.data(), xs4.data(), sums);
+        });
         for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = from_float<T>(sums[i] + (bp ? to_float(bp[r0 + i]) : 0.f));
       }
       return;
