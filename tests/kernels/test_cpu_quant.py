@@ -195,8 +195,9 @@ def test_expand_route_reuses_the_scratch_buffer():
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_tokens_result_does_not_depend_on_the_tokens_decoded_with_it(isa, bits):
     # one token runs its own path on the VNNI route (a thread's rows in one call, sums reduced four rows
-    # at a time): the same bits as the token's row of a two-token call, float32 so no rounding hides them
-    for gs, out_f, in_f in [(32, 37, 576), (8, 300, 576), (64, 6, 2048), (16, 513, 256)]:
+    # at a time, the block's scale products formed apart, per group size): the same bits as the token's
+    # row of a two-token call, float32 so no rounding hides them; 576 and 320 inputs end in a partial block
+    for gs, out_f, in_f in [(32, 37, 576), (8, 300, 576), (64, 6, 2048), (16, 513, 256), (16, 41, 320)]:
         x, q, s, meta, b, *_ = case(2, out_f, in_f, 2, 4, bits, gs, torch.float32, True, seed=out_f + bits)
         one = EXT.nm_linear_q(x[:1], q, s, meta, 2, 4, bits, gs, b)
         two = EXT.nm_linear_q(x, q, s, meta, 2, 4, bits, gs, b)
