@@ -228,21 +228,17 @@ TARGET_VNNI inline __m512i codes24q(const uint8_t* q, int64_t rest, const __m512
     return w;
   } else {
     // both halves read the 32 packed bytes; the upper half shifted right by 4 (high nibbles to bits 0-3);
-    // vpermb maps index bits 0-5 (the nibble and two bits above it) to nibble - 8
-    const __mmask32 k = TAIL ? (1u << (rest / 2)) - 1 : ~0u;
-    const __m512i both = _mm512_broadcast_i64x4(TAIL ? _mm256_maskz_loadu_epi8(k, q)
-                                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    // vpermb maps index bits 0-5 (the nibble and two bits above it) to nibble - 8. In the last block the
+    // bytes past `rest` kept values read as 0x88: two codes 0.
+    const __m512i both = _mm512_broadcast_i64x4(
+        TAIL ? _mm256_mask_loadu_epi8(_mm256_set1_epi8(static_cast<char>(0x88)), (1u << (rest / 2)) - 1, q)
+             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
     const __m512i shifted = _mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4);
-    __m512i w = _mm512_permutexvar_epi8(shifted, nibble_codes);
-    if constexpr (TAIL) {
-      w = _mm512_maskz_mov_epi8(static_cast<__mmask64>(k) | (static_cast<__mmask64>(k) << 32), w);
-      start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, w));
-    } else {
-      // from the stored nibbles n = code + 8: -128 * sum(n - 8) = 4096 - 128 * sum(n) over a lane's four codes
-      // (the same int32s; an AND where the sum of the codes would need a subtraction)
-      const __m512i n = _mm512_and_si512(shifted, _mm512_set1_epi8(15));
-      start = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), n, minus128);
-    }
+    const __m512i w = _mm512_permutexvar_epi8(shifted, nibble_codes);
+    // from the stored nibbles n = code + 8: -128 * sum(n - 8) = 4096 - 128 * sum(n) over a lane's four codes
+    // (the same int32s; an AND where the sum of the codes would need a subtraction)
+    const __m512i n = _mm512_and_si512(shifted, _mm512_set1_epi8(15));
+    start = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), n, minus128);
     return w;
   }
 }
@@ -426,22 +422,13 @@ TARGET_VNNI inline void block24q_one(__m512& acc, const uint8_t* q, const uint8_
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, g, w)), sc, acc);
 }
 
-// A row's last block of `rest` kept values (fewer than 64), for range24q_vnni. Not inlined: with it in the
-// row loop, the compiler copied the layout's constants between registers on every block (about 10% slower).
-template <int BITS, int GS>
-TARGET_VNNI __attribute__((noinline)) void tail24q_one(__m512& acc, const uint8_t* q, const uint8_t* meta,
-                                                       const c10::Half* s, int64_t blk, int64_t rest, int64_t gs,
-                                                       const uint8_t* xu, const float* xs4, const __m512i lane) {
-  const VnniLayout& layout = BITS == 8 ? kLayout8 : kLayout4;
-  block24q_one<BITS, GS, true>(acc, q, meta, s, blk, rest, gs, xu, xs4, _mm512_load_si512(kNibbleCodes),
-                               _mm512_load_si512(layout.ctrl), _mm512_load_si512(layout.base), lane);
-}
-
 // One token, `rows` consecutive rows one after another in one call (a single stream through the weights, no
 // per-row call; the layout's constants stay in registers): each row's blocks summed in order as block24q_vnni
 // sums them for one token (the same bits), the sums reduced four rows at a time into sums[0, rows). GS: the
-// group size (8, 16, 32), 0 for a multiple of 64.
-template <int BITS, int GS>
+// group size (8, 16, 32), 0 for a multiple of 64. PARTIAL: the rows end in a partial block (kept % 64 != 0);
+// a pass of its own, because with that block's code in the loop the compiler copied the layout's constants
+// between registers on every block.
+template <int BITS, int GS, bool PARTIAL>
 TARGET_VNNI void range24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
                                const uint8_t* meta, int64_t meta_stride, int64_t rows, int64_t kept, int64_t gs,
                                const uint8_t* xu, const float* xs4, float* sums) {
@@ -463,7 +450,9 @@ TARGET_VNNI void range24q_vnni(const uint8_t* q, int64_t q_stride, const c10::Ha
       _mm_prefetch(reinterpret_cast<const char*>(mr + 16 * blk) + kPrefetchBlocks * 16, _MM_HINT_T0);
       block24q_one<BITS, GS, false>(acc, qb, mr + 16 * blk, sr, blk, rest, gs, xu, xs4, nibble_codes, ctrl, base, lane);
     }
-    if (rest) tail24q_one<BITS, GS>(acc, qr + full * kBytes, mr + 16 * full, sr, full, rest, gs, xu, xs4, lane);
+    if constexpr (PARTIAL)
+      block24q_one<BITS, GS, true>(acc, qr + full * kBytes, mr + 16 * full, sr, full, rest, gs, xu, xs4, nibble_codes,
+                                   ctrl, base, lane);
     done[r & 3] = acc;
     if ((r & 3) == 3) _mm_storeu_ps(sums + r - 3, reduce_add4(done[0], done[1], done[2], done[3]));
   }
@@ -529,12 +518,18 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
         const int64_t rows = std::min<int64_t>(kChunk, end - r0);
         with_vnni_group(gs, [&](auto group) {
           constexpr int GS = decltype(group)::value;
+          const auto pass = [&](auto bits_c, auto partial) {
+            range24q_vnni<decltype(bits_c)::value, GS, decltype(partial)::value>(
+                qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride, meta_stride, rows,
+                kept, gs, xu.data(), xs4.data(), sums);
+          };
+          const bool partial = kept % 64 != 0;
           if (bits == 8)
-            range24q_vnni<8, GS>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
-                                 meta_stride, rows, kept, gs, xu.data(), xs4.data(), sums);
+            partial ? pass(std::integral_constant<int, 8>{}, std::true_type{})
+                    : pass(std::integral_constant<int, 8>{}, std::false_type{});
           else
-            range24q_vnni<4, GS>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride, s_stride, mp + r0 * meta_stride,
-                                 meta_stride, rows, kept, gs, xu.data(), xs4.data(), sums);
+            partial ? pass(std::integral_constant<int, 4>{}, std::true_type{})
+                    : pass(std::integral_constant<int, 4>{}, std::false_type{});
         });
         for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = from_float<T>(sums[i] + (bp ? to_float(bp[r0 + i]) : 0.f));
       }
