@@ -195,8 +195,9 @@ const NibbleCodes kNibbleCodesTable;
 const int8_t* const kNibbleCodes = kNibbleCodesTable.v;
 
 // Inputs quantized per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32
-// [T, Kp / 128, 16] (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order),
-// xs4 float32 [T, Kp / 32] (the same scales, one per 32 inputs, in input order).
+// [T, Kp / 128, 16] (per block of 128 inputs, the scale of each int32 lane's inputs, in the layout's lane order;
+// the multi-token passes read it, null for one token), xs4 float32 [T, Kp / 32] (the same scales, one per 32
+// inputs, in input order; the one-token pass reads it).
 TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int64_t Kp, const VnniLayout& layout,
                                  uint8_t* xu, float* xs, float* xs4) {
   const int64_t blocks = Kp / 128;
@@ -209,6 +210,7 @@ TARGET_VNNI void quantize_inputs(const float* xf, int64_t tokens, int64_t K, int
         const int64_t c0 = 128 * blk + 32 * sub;
         sc[sub] = quantize32_u8(xr + c0, std::max<int64_t>(0, std::min<int64_t>(32, K - c0)), xu + t * Kp + c0);
       }
+      if (xs == nullptr) continue;
       float* dst = xs + (t * blocks + blk) * 16;
       for (int l = 0; l < 16; ++l) dst[l] = sc[layout.xblock[l]];
     }
@@ -498,9 +500,10 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
   if (route == kRouteVnni) {
     Kp = round_up(K, 128) + 64;
     xu.resize(tokens * Kp);
-    xs.resize(tokens * (Kp / 128) * 16);
+    if (tokens > 1) xs.resize(tokens * (Kp / 128) * 16);
     xs4.resize(tokens * (Kp / 32));
-    quantize_inputs(xf, tokens, K, Kp, bits == 8 ? kLayout8 : kLayout4, xu.data(), xs.data(), xs4.data());
+    quantize_inputs(xf, tokens, K, Kp, bits == 8 ? kLayout8 : kLayout4, xu.data(), tokens > 1 ? xs.data() : nullptr,
+                    xs4.data());
   } else if (route == kRouteAvx2) {
     Kp = round_up(K, 16) + 32;
     xpad.assign(tokens * Kp, 0.f);
