@@ -96,7 +96,7 @@ def write(args: argparse.Namespace, info: dict, rows: list[dict], models: dict) 
         f"2:4 int8 checkpoints of `benchmarks/vs_llamacpp.py` (round to nearest, 32 kept values per scale, the "
         f"output layer int8), loaded with `from_pretrained` and the row's `attn_implementation`; batch 1, greedy, "
         f"{args.new_tokens} new tokens after an untimed 8-token prompt, the one-token step compiled "
-        "(`fullgraph=True`, no guards on the modules' parameters); the static cache holds `max_cache_len` "
+        "(`fullgraph=True`, no guards on the modules' parameters, no size asserts); the static cache holds `max_cache_len` "
         f"positions of which at most {8 + args.new_tokens} are filled. {args.repeats} repeat(s), rows "
         "interleaved; medians; `vs eager` is the median of per-repeat ratios against eager attention with "
         "the same cache size. Compile s: the warm-up's first decode, which compiles, while all of the model's rows "

@@ -34,7 +34,8 @@ Rows, at each thread count:
   forward and the argmax that picks the next token); the time of those steps alone. Compiled:
   docs/kernels.md's CPU recipe, the checkpoint loaded with ``attn_implementation="hf_maskllm"`` and the
   one-token step wrapped in ``torch.compile(fullgraph=True)``
-  with ``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``, compiled during the
+  with ``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe`` and inductor's
+  ``size_asserts=False``, compiled during the
   warm-up (its time is recorded); the run records how many graphs dynamo compiled while being timed (0
   means no recompilation). Prefill (eager
   rows): one forward over ``--prefill`` random token ids, the last position's logits only, as
@@ -231,8 +232,9 @@ class Decoder:
         # the cache's size: by default just what the prompt and the new tokens fill, plus 8
         size = cache_len or prompt.shape[1] + new_tokens + 8
         self.cache = StaticCache(config=model.config, max_cache_len=size)
-        # docs/kernels.md's CPU recipe: no guard on the modules' parameters (checked on every call otherwise)
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # docs/kernels.md's CPU recipe: no guard on the modules' parameters and no size assert on the graph's
+        # tensors (both checked on every call otherwise)
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
         self.step = torch.compile(self._step, fullgraph=True, options=options) if compiled else self._step
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -502,8 +504,8 @@ def write(args: argparse.Namespace, info: dict, results: dict) -> None:
         "",
         f"Decode: batch 1, greedy, {args.new_tokens} new tokens (llama.cpp: `llama-bench -n {args.new_tokens}` from an "
         f"empty context; ours: after an untimed {PROMPT_TOKENS}-token prompt, static KV cache, the new tokens' "
-        f"forwards and greedy picks only; compiled rows: docs/kernels.md's CPU recipe, hf_maskllm attention and no "
-        "guards on the modules' parameters, the step's forward and argmax compiled together). "
+        f"forwards and greedy picks only; compiled rows: docs/kernels.md's CPU recipe, hf_maskllm attention, no "
+        "guards on the modules' parameters and no size asserts, the step's forward and argmax compiled together). "
         f"Prefill: {args.prefill} random tokens (ours: one eager forward, last position's logits). "
         f"{args.repeats} repeat(s), rows interleaved (rotated order), each of our rows a process of its own "
         "loaded with `from_pretrained`; medians; ratios are medians of per-repeat ratios. Weight MB/token: "
