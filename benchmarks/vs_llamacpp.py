@@ -234,7 +234,10 @@ class Decoder:
         self.cache = StaticCache(config=model.config, max_cache_len=size)
         # docs/kernels.md's CPU recipe: no guard on the modules' parameters and no size assert on the graph's
         # tensors (both checked on every call otherwise)
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
+        options = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "size_asserts": False,
+        }
         self.step = torch.compile(self._step, fullgraph=True, options=options) if compiled else self._step
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
