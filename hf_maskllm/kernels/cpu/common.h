@@ -112,6 +112,40 @@ TARGET_AVX512 inline float quantize32_u8(const float* x, int64_t cnt, uint8_t* d
   _mm_mask_storeu_epi8(dst + 16, k1, codes16_u8(b, inv));
   return amax / 127.f;
 }
+
+// The same rounding on AVX2 (routes with 8-bit inputs on CPUs without VNNI): `cnt` (0..32) inputs to 32 signed
+// codes in `dst` (zeros past `cnt`), the same float32 product and round to nearest even; returns the scale, or
+// the absmax itself where it is 0, inf or NaN (then `dst` holds zeros).
+TARGET_AVX2 inline float quantize32_s8(const float* x, int64_t cnt, int8_t* dst) {
+  alignas(32) float v[32] = {};
+  std::memcpy(v, x, std::max<int64_t>(0, std::min<int64_t>(32, cnt)) * sizeof(float));
+  __m256 a[4];
+  __m256 amax8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_load_ps(v + 8 * i);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(a[i], a[i], _CMP_UNORD_Q));
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, a[i]));
+  }
+  std::memset(dst, 0, 32);
+  if (_mm256_movemask_ps(nan8)) return NAN;
+  alignas(32) float m[8];
+  _mm256_store_ps(m, amax8);
+  float amax = 0.f;
+  for (float e : m) amax = std::max(amax, e);
+  if (amax == 0.f || !std::isfinite(amax)) return amax;
+  const __m256 inv = _mm256_set1_ps(127.f / amax), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(a[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+  }
+  // packs work within 128-bit lanes: bytes come out as [c0 0-3, c1 0-3, c2 0-3, c3 0-3 | c0 4-7, ...]
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax / 127.f;
+}
 #endif
 
 // Rows per task: enough work per row (kept values or bytes) that a task outweighs the pool's overhead.

@@ -10,7 +10,10 @@
 //   inputs and token (absmax / 127, round to nearest), stored as u8 = code + 128. Per 64 inputs: one
 //   vpdpbusd per token sums four byte products into each of 16 int32 lanes, starting from -128 x the
 //   sum of the lane's weight codes (computed once per block), then float32 times the input scale.
-// - AVX2: the inputs stay float32; 8 codes widened per step, one FMA per token.
+// - AVX2: the inputs are rounded the same way, stored as signed codes. Per 32 inputs: vpmaddubsw multiplies
+//   |w| (unsigned) by the input codes carrying w's sign (vpsignb) and sums pairs into 16-bit lanes (at most
+//   2 x 128 x 127, no saturation), vpmaddwd sums those into 8 int32 lanes, then float32 times the block's
+//   input scale, one FMA per token.
 // - Scalar: exact float32 arithmetic.
 // Each row is summed by one thread in a fixed order: results do not depend on the thread count.
 
@@ -57,23 +60,38 @@ TARGET_AVX2 inline float hsum8(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-// xf: float32 [T, Kp] zero-padded (Kp a multiple of 8); codes read 8 at a time, the row's tail through a copy.
+// Inputs per token and 32 inputs (quantize32_s8): xc int8 [T, Kp] (codes, zeros past K; Kp a multiple of 32),
+// xs float32 [T, Kp / 32] (the scale of each 32 inputs).
+TARGET_AVX2 void quantize_inputs_avx2(const float* xf, int64_t tokens, int64_t K, int64_t Kp, int8_t* xc, float* xs) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t c0 = 0; c0 < Kp; c0 += 32)
+      xs[t * (Kp / 32) + c0 / 32] = quantize32_s8(xf + t * K + c0, K - c0, xc + t * Kp + c0);
+}
+
 template <int TB>
-TARGET_AVX2 void row_avx2(const int8_t* q, int64_t K, const float* xf, int64_t Kp, float* acc_out) {
-  __m256 acc[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    int64_t word = 0;
-    if (K - k >= 8) {
-      std::memcpy(&word, q + k, 8);
-    } else {
-      std::memcpy(&word, q + k, K - k);  // the row's tail: zero codes past it
+TARGET_AVX2 void row_avx2q(const int8_t* q, int64_t K, const int8_t* xc, const float* xs, int64_t Kp,
+                           float* acc_out) {
+  __m256 acc[2][TB];  // even and odd blocks of 32: two chains of FMAs
+  for (int t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256* a = acc[(k >> 5) & 1];
+    __m256i w;
+    if (K - k >= 32) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+    } else {  // the row's tail: zero codes past it
+      alignas(32) int8_t tail[32] = {};
+      std::memcpy(tail, q + k, K - k);
+      w = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
     }
-    _mm_prefetch(reinterpret_cast<const char*>(q + k) + kPrefetchBytes, _MM_HINT_T0);
-    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(word)));
-    for (int t = 0; t < TB; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xf + t * Kp + k), acc[t]);
+    const __m256i aw = _mm256_abs_epi8(w);
+    for (int t = 0; t < TB; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + t * Kp + k));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+      a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(xs + t * (Kp / 32) + k / 32), a[t]);
+    }
   }
-  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(acc[t]);
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t]));
 }
 
 // Inputs per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 64, 16]
@@ -127,8 +145,9 @@ void int8_linear_impl(const T* xp, int64_t tokens, int64_t K, const int8_t* qp, 
     xf = xf_buf.data();
   }
   int64_t Kp = K;
-  std::vector<float> xpad, xs;
+  std::vector<float> xs;
   std::vector<uint8_t> xu;
+  std::vector<int8_t> xc;
 #if HF_MASKLLM_X86
   if (route == kRouteVnni) {  // 64 more columns keep the tokens' rows out of one another's L1 sets
     Kp = round_up(K, 64) + 64;
@@ -136,9 +155,10 @@ void int8_linear_impl(const T* xp, int64_t tokens, int64_t K, const int8_t* qp, 
     xs.resize(tokens * (Kp / 64) * 16);
     quantize_inputs(xf, tokens, K, Kp, xu.data(), xs.data());
   } else if (route == kRouteAvx2) {
-    Kp = round_up(K, 8) + 32;
-    xpad.assign(tokens * Kp, 0.f);
-    for (int64_t t = 0; t < tokens; ++t) std::memcpy(&xpad[t * Kp], xf + t * K, K * sizeof(float));
+    Kp = round_up(K, 32) + 64;
+    xc.resize(tokens * Kp);
+    xs.resize(tokens * (Kp / 32));
+    quantize_inputs_avx2(xf, tokens, K, Kp, xc.data(), xs.data());
   }
 #endif
   const int64_t block = route == kRouteVnni ? kMaxTokenBlock : kAvx2TokenBlock;
@@ -163,7 +183,7 @@ void int8_linear_impl(const T* xp, int64_t tokens, int64_t K, const int8_t* qp, 
           if (route == kRouteVnni) {
             row_vnni<TB>(q, K, xu.data() + t0 * Kp, xs.data() + t0 * (Kp / 64) * 16, Kp, acc);
           } else if constexpr (TB <= kAvx2TokenBlock) {
-            row_avx2<TB>(q, K, xpad.data() + t0 * Kp, Kp, acc);
+            row_avx2q<TB>(q, K, xc.data() + t0 * Kp, xs.data() + t0 * (Kp / 32), Kp, acc);
           }
         });
 #endif
@@ -219,7 +239,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 std::string int8_linear_route() {
   switch (int8_route()) {
     case kRouteVnni: return "vnni";
-    case kRouteAvx2: return "avx2";
+    case kRouteAvx2: return "avx2_q8";
     default: return "scalar";
   }
 }

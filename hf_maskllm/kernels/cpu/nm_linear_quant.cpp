@@ -74,14 +74,14 @@ inline float dequant(const uint8_t* q, const c10::Half* s, int64_t j, int bits, 
 }
 
 // Which decode route runs for a layer (the instruction set in use, the pattern, the group size).
-enum Route : int { kRouteScalar = 0, kRouteAvx2 = 1, kRouteVnni = 2 };
+enum Route : int { kRouteScalar = 0, kRouteAvx2 = 1, kRouteVnni = 2, kRouteAvx2q = 3 };
 
 Route decode_route(int n, int m, int64_t gs) {
   const int level = static_cast<int>(isa());
   if (n != 2 || m != 4 || gs % 8 != 0 || level < kAvx2) return kRouteScalar;
   const bool vnni_gs = gs == 8 || gs == 16 || gs == 32 || gs % 64 == 0;
   if (level >= kAvx512 && has_vnni() && vnni_gs) return kRouteVnni;
-  return kRouteAvx2;
+  return gs == 8 || gs == 16 || gs % 32 == 0 ? kRouteAvx2q : kRouteAvx2;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -146,6 +146,141 @@ TARGET_AVX2 void row24q_avx2(const uint8_t* q, const c10::Half* s, const uint8_t
     }
   }
   for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(acc[t]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// AVX2 route with 8-bit inputs, 2:4: 32 kept values (64 inputs, 8 meta bytes) per step, in their order:
+// bytes 0-15 (128-bit lane 0) kept 0-15, inputs 0-31; bytes 16-31 kept 16-31, inputs 32-63.
+//
+// Inputs per token (quantize32_s8, one scale per 32 inputs): xl int8 [T, Kp], each 64 inputs stored as
+// [0-15 | 32-47 | 16-31 | 48-63], so that one 32-byte load gives each lane its first 16 inputs and the next
+// load its last 16 (vpshufb looks up within a 128-bit lane); xsl float32 [T, Kp / 64, 8]: lanes 0-3 the scale
+// of inputs 0-31, lanes 4-7 of inputs 32-63.
+TARGET_AVX2 void quantize_inputs_avx2(const float* xf, int64_t tokens, int64_t K, int64_t Kp, int8_t* xl, float* xsl) {
+  alignas(32) int8_t codes[64];
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t c0 = 0; c0 < Kp; c0 += 64) {
+      const float s0 = quantize32_s8(xf + t * K + c0, K - c0, codes);
+      const float s1 = quantize32_s8(xf + t * K + c0 + 32, K - c0 - 32, codes + 32);
+      int8_t* dst = xl + t * Kp + c0;
+      std::memcpy(dst, codes, 16);
+      std::memcpy(dst + 16, codes + 32, 16);
+      std::memcpy(dst + 32, codes + 16, 16);
+      std::memcpy(dst + 48, codes + 48, 16);
+      float* sc = xsl + t * (Kp / 8) + c0 / 8;
+      for (int l = 0; l < 4; ++l) sc[l] = s0;
+      for (int l = 4; l < 8; ++l) sc[l] = s1;
+    }
+  }
+}
+
+// The layout's constants (see avx2q_step).
+struct Avx2qLayout {
+  __m256i rep, hi_sel, field, lut, base;
+  TARGET_AVX2 Avx2qLayout() {
+    alignas(32) int8_t r[32], h[32], f[32], lu[32], b[32];
+    for (int k = 0; k < 32; ++k) {
+      r[k] = static_cast<int8_t>(k / 4);  // the meta byte of kept value k (within the lane's copy of the 8)
+      h[k] = static_cast<int8_t>(k % 4 >= 2 ? 0x80 : 0);  // fields 2, 3: from the high nibble
+      f[k] = static_cast<int8_t>(k % 2 ? 0x0C : 0x03);    // the field's two bits within the nibble
+      lu[k] = static_cast<int8_t>((k % 16) < 4 ? (k % 16) : (k % 16) >> 2);  // {0..3} or {0, 4, 8, 12} -> 0..3
+      b[k] = static_cast<int8_t>(4 * ((k % 8) / 2));  // 4 x the group within the lane's 16 inputs
+    }
+    rep = _mm256_load_si256(reinterpret_cast<const __m256i*>(r));
+    hi_sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(h));
+    field = _mm256_load_si256(reinterpret_cast<const __m256i*>(f));
+    lut = _mm256_load_si256(reinterpret_cast<const __m256i*>(lu));
+    base = _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+  }
+};
+
+// The codes of 32 kept values, in order (q: their codes; int4: 16 bytes, low nibble first).
+template <int BITS>
+TARGET_AVX2 inline __m256i avx2q_codes(const uint8_t* q) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  } else {
+    // qwords [0, 0, 1, 1]: each lane's low 8 bytes are its 16 codes, interleaved low / high nibble by vpunpcklbw
+    const __m256i p =
+        _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 0x50);
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i n = _mm256_unpacklo_epi8(_mm256_and_si256(p, low), _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
+    return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+  }
+}
+
+// One step (32 kept values) against TB tokens: `aw` = |codes|, `w` the codes, meta its 8 meta bytes, sw the
+// weight scale of each int32 lane (lane d: kept values 4d .. 4d + 3), xl / xsl the step's inputs and scales.
+template <int TB>
+TARGET_AVX2 inline void avx2q_step(__m256* acc, const __m256i aw, const __m256i w, const uint8_t* meta, const __m256 sw,
+                                   const int8_t* xl, const float* xsl, int64_t Kp, int64_t xs_stride,
+                                   const Avx2qLayout& L) {
+  // byte indices: kept value k's meta byte (k / 4) to byte k, its two bits (the nibble by a shift, the field by
+  // a mask, then a 16-entry table), plus 4 x its group
+  long long mw;
+  std::memcpy(&mw, meta, 8);
+  const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi64x(mw), L.rep);
+  const __m256i nib = _mm256_blendv_epi8(rep, _mm256_srli_epi16(rep, 4), L.hi_sel);
+  const __m256i idx = _mm256_or_si256(_mm256_shuffle_epi8(L.lut, _mm256_and_si256(nib, L.field)), L.base);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int t = 0; t < TB; ++t) {
+    const int8_t* x = xl + t * Kp;
+    const __m256i g = _mm256_blend_epi32(
+        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), idx),
+        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)), idx), 0xCC);
+    // |w| x (g with w's sign): 2 x 128 x 127 at most per 16-bit pair, no saturation
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(g, w)), ones);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(xsl + t * xs_stride)), acc[t]);
+  }
+}
+
+// The weight scales of a step's 8 int32 lanes (s: the step's first scale; GS 8, 16, or 0 for a multiple of 32).
+template <int GS>
+TARGET_AVX2 inline __m256 avx2q_scales(const c10::Half* s) {
+  if constexpr (GS == 0) {
+    uint16_t h;
+    std::memcpy(&h, s, 2);
+    return _mm256_set1_ps(_cvtsh_ss(h));
+  } else if constexpr (GS == 16) {
+    uint32_t two;
+    std::memcpy(&two, s, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else {
+    const __m128 f = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  }
+}
+
+// One row against TB tokens (kept: a multiple of 8; the last step may hold fewer than 32 kept values: its codes,
+// meta and scales are read through zero-filled copies, and zero codes add nothing).
+template <int TB, int BITS, int GS>
+TARGET_AVX2 void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept, int64_t gs,
+                              const int8_t* xl, const float* xsl, int64_t Kp, float* acc_out) {
+  static const Avx2qLayout layout;
+  __m256 acc[2][TB];  // even and odd steps: two chains of FMAs
+  for (int t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+  const int64_t xs_stride = Kp / 8;
+  constexpr int64_t kBytes = BITS * 4;  // code bytes per step
+  const int64_t full = kept / 32;
+  for (int64_t st = 0; st < full; ++st) {
+    const __m256i w = avx2q_codes<BITS>(q + st * kBytes);
+    avx2q_step<TB>(acc[st & 1], _mm256_abs_epi8(w), w, meta_row + 8 * st, avx2q_scales<GS>(s + 32 * st / gs),
+                   xl + 64 * st, xsl + 8 * st, Kp, xs_stride, layout);
+  }
+  const int64_t rest = kept - 32 * full;
+  if (rest) {
+    alignas(32) uint8_t qt[32], mt[8] = {};
+    std::memset(qt, BITS == 4 ? 0x88 : 0, sizeof(qt));  // int4: two codes 0 per byte
+    c10::Half st_scales[4] = {};
+    std::memcpy(qt, q + full * kBytes, rest * BITS / 8);
+    std::memcpy(mt, meta_row + 8 * full, rest / 4);
+    std::memcpy(st_scales, s + 32 * full / gs, (GS == 0 ? 1 : rest / GS) * sizeof(c10::Half));
+    const __m256i w = avx2q_codes<BITS>(qt);
+    avx2q_step<TB>(acc[full & 1], _mm256_abs_epi8(w), w, mt, avx2q_scales<GS>(st_scales), xl + 64 * full,
+                   xsl + 8 * full, Kp, xs_stride, layout);
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t]));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -495,9 +630,15 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
   int64_t Kp = K;
   std::vector<float> xpad;
   std::vector<uint8_t> xu;
+  std::vector<int8_t> xl;
   std::vector<float> xs, xs4;
 #if HF_MASKLLM_X86
-  if (route == kRouteVnni) {
+  if (route == kRouteAvx2q) {
+    Kp = round_up(K, 64) + 64;
+    xl.resize(tokens * Kp);
+    xs.resize(tokens * (Kp / 8));
+    quantize_inputs_avx2(xf, tokens, K, Kp, xl.data(), xs.data());
+  } else if (route == kRouteVnni) {
     Kp = round_up(K, 128) + 64;
     xu.resize(tokens * Kp);
     if (tokens > 1) xs.resize(tokens * (Kp / 128) * 16);
@@ -576,6 +717,19 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
               rows24q_vnni<TB, 8, 1>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
             else
               rows24q_vnni<TB, 4, 1>(q, q_stride, s, s_stride, meta_row, meta_stride, kept, gs, xr, xsr, Kp, acc);
+          } else if (route == kRouteAvx2q) {
+            if constexpr (TB <= kAvx2TokenBlock) {
+              const int8_t* xr = xl.data() + t0 * Kp;
+              const float* xsr = xs.data() + t0 * (Kp / 8);
+              const auto pass = [&](auto group) {
+                constexpr int GS = decltype(group)::value;
+                if (bits == 8) row24q_avx2q<TB, 8, GS>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+                else row24q_avx2q<TB, 4, GS>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+              };
+              if (gs == 8) pass(std::integral_constant<int, 8>{});
+              else if (gs == 16) pass(std::integral_constant<int, 16>{});
+              else pass(std::integral_constant<int, 0>{});
+            }
           } else if constexpr (TB <= kAvx2TokenBlock) {
             const float* xr = xpad.data() + t0 * Kp;
             if (bits == 8) row24q_avx2<TB, 8>(q, s, meta_row, kept, gs, xr, Kp, acc);
@@ -801,6 +955,7 @@ std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size) {
   switch (decode_route(static_cast<int>(n), static_cast<int>(m), group_size)) {
     case kRouteVnni: return "vnni";
     case kRouteAvx2: return "avx2";
+    case kRouteAvx2q: return "avx2_q8";
     default: return "scalar";
   }
 }
