@@ -24,8 +24,8 @@ shapes of SmolLM2-135M and of Llama-3.2-1B (q/o 2048x2048, k/v 512x2048, gate/up
 2048x8192), bfloat16 inputs, ``--group-size`` kept values per scale (one or several), each route timed over copies of
 at least ``QUANT_PASS_BYTES`` of the weight it reads, interleaved: dense bf16 ``F.linear``, the 2:4
 bf16 direct kernel, and ``nm_linear_q_cpu`` (int8 / int4 codes + scales + meta; up to 8 tokens the
-direct kernel at the best instruction set, whose AVX-512 VNNI route rounds the inputs to 8 bits, and
-at AVX2, whose route keeps them in float32; beyond, dequantize + GEMM). GB/s counts codes + scales +
+direct kernel at the best instruction set and at AVX2 (both round the inputs to 8 bits on their integer
+routes, ``vnni`` and ``avx2_q8``; the label names the route); beyond, dequantize + GEMM). GB/s counts codes + scales +
 meta.
 
 Writes ``benchmarks/results/cpu_kernels.md`` and ``.json``.

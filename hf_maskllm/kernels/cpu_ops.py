@@ -155,7 +155,7 @@ def nm_linear_q_cpu(
     is in ``x``'s dtype (float32, bfloat16 or float16).
 
     Up to :data:`CPU_DECODE_MAX_TOKENS` tokens: ``nm_linear_q`` reads the codes, scales and meta once for
-    all tokens (2:4 on AVX-512 VNNI rounds ``x`` to 8 bits per 32 inputs; see docs/kernels.md). More:
+    all tokens (2:4 on AVX-512 VNNI and on AVX2 rounds ``x`` to 8 bits per 32 inputs; see docs/kernels.md). More:
     ``nm_expand_q`` dequantizes into the scratch buffer (in ``x``'s dtype), then a dense GEMM.
     """
     if bias is not None and bias.dtype != x.dtype:
@@ -178,7 +178,7 @@ def int8_linear_cpu(
     one float16 scale per row, on CPU without autograd; the output is in ``x``'s dtype.
 
     Up to :data:`CPU_DECODE_MAX_TOKENS` tokens: ``int8_linear`` reads the codes once for all tokens (on AVX-512
-    VNNI it rounds ``x`` to 8 bits per 32 inputs; see docs/kernels.md). More: the weight is dequantized into the
+    VNNI and on AVX2 it rounds ``x`` to 8 bits per 32 inputs; see docs/kernels.md). More: the weight is dequantized into the
     scratch buffer (in ``x``'s dtype), then a dense GEMM.
     """
     if bias is not None and bias.dtype != x.dtype:

@@ -565,13 +565,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("nm_expand_q", &nm_expand_q, "Dequantize the compressed int8 / int4 weight into a dense buffer",
              py::call_guard<py::gil_scoped_release>());
   module.def("nm_linear_q_route", &nm_linear_q_route,
-             "Which nm_linear_q route runs for (n, m, group_size): 'vnni', 'avx2' or 'scalar'");
+             "Which nm_linear_q route runs for (n, m, group_size): 'vnni', 'avx2_q8', 'avx2' or 'scalar'");
   module.def("int8_linear", &int8_linear, "Dense linear from int8 codes with one scale per row (decode)",
              py::call_guard<py::gil_scoped_release>());
   module.def("decode_attention", &decode_attention,
              "Attention of a few query tokens over the cache positions the boolean mask lets through",
              py::call_guard<py::gil_scoped_release>());
-  module.def("int8_linear_route", &int8_linear_route, "Which int8_linear route runs: 'vnni', 'avx2' or 'scalar'");
+  module.def("int8_linear_route", &int8_linear_route, "Which int8_linear route runs: 'vnni', 'avx2_q8' or 'scalar'");
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");
   module.def("isa", &isa, "The instruction-set level in use");
 }

@@ -9,7 +9,7 @@
 // so results do not depend on the thread count):
 //
 //   nm_linear_q(x [T, in], qvalues, scales, meta, n, m, bits, group_size, bias?) -> y [T, out]
-//     Decode. Three routes, by instruction set and pattern:
+//     Decode. Four routes, by instruction set and pattern:
 //     - AVX-512 with VNNI and VBMI, 2:4, group_size 8, 16, 32 or a multiple of 64: the inputs are
 //       quantized once per call to 8 bits, one float32 scale per 32 inputs and token (round to nearest,
 //       scale = absmax / 127, as llama.cpp's Q8_0 does for its activations). Per block of 64 kept values
@@ -22,9 +22,14 @@
 //       scale products formed in a 128-bit register and spread to the lanes by one permute, the rows' sums
 //       reduced four at a time in _mm512_reduce_add_ps's order (the same bits as alone); 2-4 tokens: short
 //       rows run two side by side.
-//     - AVX2 (and AVX-512 where the route above does not apply), 2:4, group_size a multiple of 8: the
-//       inputs stay in float32; 8 codes are widened, scaled, and meet the inputs picked by two vpermps
-//       and a blend in an FMA.
+//     - AVX2 ("avx2_q8", where the route above does not apply), 2:4, group_size 8, 16 or a multiple of 32:
+//       the inputs rounded as above. Per step of 32 kept values (64 inputs, 8 meta bytes): vpshufb + a
+//       shift, a blend and a 16-entry vpshufb table turn the meta into 32 byte indices, two vpshufb and a
+//       vpblendd gather the inputs (laid out once per call so that each 128-bit lane finds its 32 inputs in
+//       two registers), vpmaddubsw (|w| by the inputs carrying w's sign) and vpmaddwd sum four products per
+//       int32 lane, then float32 times (weight scale x input scale).
+//     - AVX2 float32 (other group sizes that are multiples of 8), 2:4: the inputs stay in float32; 8 codes
+//       are widened, scaled, and meet the inputs picked by two vpermps and a blend in an FMA.
 //     - Scalar: any N:M, any group size: exact float32 arithmetic, not fast.
 //   nm_expand_q(qvalues, scales, meta, n, m, bits, group_size, in_features, dense [out, in]) -> dense
 //     Prefill: the dequantized dense weight (float32, bfloat16 or float16, rounded to nearest even once),
