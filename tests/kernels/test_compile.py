@@ -146,7 +146,10 @@ def test_static_cache_generation_compiles_once_and_gives_the_eager_tokens(dtype,
     for compiled, reference in zip(got, eager):
         assert torch.equal(compiled.sequences, reference.sequences)
         for a, b in zip(compiled.logits, reference.logits):
-            torch.testing.assert_close(a, b)  # AOT autograd's decompositions may round float32 differently
+            # AOT autograd's decompositions may round differently: float32 within the default tolerance, a
+            # 16-bit model's logits within one unit in the last place of its dtype at the largest logit's scale
+            atol = None if dtype == torch.float32 else torch.finfo(dtype).eps * float(b.abs().max())
+            torch.testing.assert_close(a, b, atol=atol, rtol=None if atol is None else 1.6e-2)
 
 
 def test_the_cpu_recipe_compiles_once_and_gives_the_eager_tokens():
