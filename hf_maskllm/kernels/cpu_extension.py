@@ -35,12 +35,18 @@ __all__ = ["CPU_ISA_LEVELS", "cpu_isa", "cpu_kernels", "set_cpu_isa"]
 
 logger = logging.getLogger(__name__)
 
-# nm_linear.cpp holds the float kernels and the Python module, nm_linear_quant.cpp the int8 / int4 N:M
-# ones, int8_linear.cpp the dense int8 layer, decode_attention.cpp the attention of decode steps;
-# common.h what they share.
+# nm_linear.cpp holds the float kernels, nm_linear_quant.cpp the int8 / int4 N:M ones, int8_linear.cpp
+# the dense int8 layer, decode_attention.cpp the attention of decode steps, bindings.cpp the Python
+# module; common.h what the kernels share. The files compile in parallel (ninja).
 SOURCES = tuple(
     Path(__file__).resolve().parent / "cpu" / name
-    for name in ("nm_linear.cpp", "nm_linear_quant.cpp", "int8_linear.cpp", "decode_attention.cpp")
+    for name in (
+        "nm_linear.cpp",
+        "nm_linear_quant.cpp",
+        "int8_linear.cpp",
+        "decode_attention.cpp",
+        "bindings.cpp",
+    )
 )
 HEADERS = (Path(__file__).resolve().parent / "cpu" / "common.h",)
 # Instruction-set levels of the C++ dispatch, lowest first.

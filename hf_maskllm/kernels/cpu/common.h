@@ -3,10 +3,15 @@
 // the row-pass helpers.
 #pragma once
 
-#include <torch/extension.h>
+// The ATen pieces the kernels use, not <torch/extension.h>: that header (pybind11 and the whole C++ API) takes
+// longer to parse than a kernel file takes to compile. Only bindings.cpp, the Python module, includes pybind11.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

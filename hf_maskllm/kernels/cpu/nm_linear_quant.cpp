@@ -964,3 +964,7 @@ std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size) {
     default: return "scalar";
   }
 }
+
+// The kernel of the registered op hf_maskllm::sparse_decode_q (its schema and fake implementation are defined
+// in hf_maskllm/kernels/route.py): a compiled decode step calls nm_linear_q without a Python frame.
+TORCH_LIBRARY_IMPL(hf_maskllm, CPU, lib) { lib.impl("sparse_decode_q", &nm_linear_q); }
