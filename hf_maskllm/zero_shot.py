@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -50,7 +52,7 @@ def evaluate_zero_shot(
 
     if isinstance(tasks, str) or not tasks:
         raise ConfigError(f"tasks must be a non-empty list of lm-eval task names, got {tasks!r}.")
-    task_manager = TaskManager(include_path=str(include_path)) if include_path is not None else TaskManager()
+    task_manager = _task_manager(TaskManager, None if include_path is None else _folder_state(include_path))
     unknown = [task for task in tasks if task not in task_manager.all_tasks]
     if unknown:
         raise ConfigError(
@@ -77,3 +79,17 @@ def evaluate_zero_shot(
         }
         for task, metrics in results["results"].items()
     }
+
+
+def _folder_state(include_path: str | os.PathLike) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """A task folder and the modification time of every file in it: a changed folder is indexed anew."""
+    root = Path(include_path).resolve()
+    files = sorted(path for path in root.rglob("*") if path.is_file()) if root.is_dir() else []
+    return str(root), tuple((str(path), path.stat().st_mtime_ns) for path in files)
+
+
+@lru_cache(maxsize=8)
+def _task_manager(task_manager_class: type, folder: tuple[str, tuple[tuple[str, int], ...]] | None) -> Any:
+    """lm-eval's index of its tasks (and of ``folder``'s), built once per process: building it reads every
+    task file lm-eval ships, over ten seconds on a CPU, and evaluating several models would repeat it."""
+    return task_manager_class(include_path=folder[0]) if folder is not None else task_manager_class()

@@ -51,6 +51,11 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
         "400",
         "--lr-schedule",
         "cosine",
+        # a little calibration text for the Wanda order (--wanda-strength): the CLI's wiring, not its quality
+        "--calib-samples",
+        "4",
+        "--calib-seqlen",
+        "64",
     ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -81,6 +86,7 @@ def test_main_job_on_smollm2(main_job):
     )  # --tau, --prior-strength
     assert saved_config["init_std"] == 0.02 and saved_config["kappa"] == [50.0, 400.0]  # --init-std, --kappa
     assert saved_config["wanda_strength"] == 2.0  # --wanda-strength: calibrated on the training text
+    assert (saved_config["calibration_samples"], saved_config["calibration_seqlen"]) == (4, 64)  # --calib-*
     lrs = [h["learning_rate"] for h in results["log_history"] if "learning_rate" in h]
     # --lr-schedule cosine, the paper's decay from 5e-4 to 5e-5: the second of two steps runs at the midpoint
     assert lrs and lrs[-1] == pytest.approx(5e-5 + (5e-4 - 5e-5) / 2)

@@ -122,6 +122,26 @@ def test_bad_task_names_are_refused_before_any_work(tmp_path):
         evaluate_zero_shot(tiny_llama(), None, ["no_such_task"], include_path=task_folder(tmp_path))
 
 
+def test_the_task_index_is_built_once_per_folder_state(tmp_path):
+    """lm-eval's task index (seconds to build) is reused across calls, and built anew once the folder changes."""
+    from hf_maskllm.zero_shot import _folder_state, _task_manager
+
+    built = []
+
+    class Index:
+        def __init__(self, include_path=None):
+            built.append(include_path)
+
+    task_folder(tmp_path)
+    first = _task_manager(Index, _folder_state(tmp_path))
+    assert _task_manager(Index, _folder_state(tmp_path)) is first and built == [str(tmp_path.resolve())]
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "other.yaml").write_text("task: other\n", encoding="utf-8")  # a task file added
+    assert _task_manager(Index, _folder_state(tmp_path)) is not first and len(built) == 2
+    _task_manager(Index, None)
+    assert built[-1] is None  # lm-eval's own tasks alone
+
+
 def test_a_missing_lm_eval_names_the_extra(monkeypatch):
     import sys
 

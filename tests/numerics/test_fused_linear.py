@@ -75,7 +75,9 @@ def test_fused_linear_hard_no_bias_and_transposed_weight():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,m", [(2, 4), (3, 8)])
+# 1:8 stands for the patterns other than 2:4 here: inductor's compile time grows with the candidates per group
+# (8 here, 56 for 3:8); every pattern of NM runs the same code eagerly above.
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 8)])
 def test_compiled_fused_linear_matches_float64_autograd(n, m):
     _fused_vs_reference(n, m, out_f=36, in_f=64, compiled=True)
     _fused_vs_reference(n, m, out_f=20, in_f=48, compiled=True, transposed=True)  # other shape: same kernel
