@@ -51,6 +51,12 @@ def task_folder(root: Path) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    """One task folder for the module: lm-eval indexes an unchanged folder once per process."""
+    return task_folder(tmp_path_factory.mktemp("tasks"))
+
+
 @torch.no_grad()
 def own_accuracy(model, tokenizer) -> float:
     """The share of documents whose answer has the highest summed log-probability (lm-eval's ``acc``)."""
@@ -70,14 +76,13 @@ def own_accuracy(model, tokenizer) -> float:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path):
+def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path, tasks):
     from transformers import AutoModelForCausalLM
 
     from hf_maskllm import MaskConfig, get_mask_model
     from hf_maskllm.embedded import load_smollm2
     from hf_maskllm.zero_shot import evaluate_zero_shot
 
-    tasks = task_folder(tmp_path)
     model, tokenizer = load_smollm2()
     dense = evaluate_zero_shot(model, tokenizer, ["tiny_mc"], include_path=tasks)["tiny_mc"]
     assert dense["acc,none"] == own_accuracy(model, tokenizer)
@@ -95,12 +100,11 @@ def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_runs_a_task_on_a_saved_mask(tmp_path, capsys):
+def test_the_cli_runs_a_task_on_a_saved_mask(tmp_path, tasks, capsys):
     from hf_maskllm import MaskConfig, get_mask_model
     from hf_maskllm.cli import main
     from hf_maskllm.embedded import load_smollm2
 
-    tasks = task_folder(tmp_path)
     model, tokenizer = load_smollm2()
     mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     mask_model.save_pretrained(tmp_path / "mask")
@@ -111,7 +115,7 @@ def test_the_cli_runs_a_task_on_a_saved_mask(tmp_path, capsys):
     assert "| tiny_mc | acc,none |" in capsys.readouterr().out
 
 
-def test_bad_task_names_are_refused_before_any_work(tmp_path):
+def test_bad_task_names_are_refused_before_any_work(tasks):
     from models import tiny_llama
 
     from hf_maskllm.zero_shot import evaluate_zero_shot
@@ -119,7 +123,7 @@ def test_bad_task_names_are_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="non-empty list"):
         evaluate_zero_shot(tiny_llama(), None, "hellaswag")
     with pytest.raises(ConfigError, match=r"knows no task \['no_such_task'\]"):
-        evaluate_zero_shot(tiny_llama(), None, ["no_such_task"], include_path=task_folder(tmp_path))
+        evaluate_zero_shot(tiny_llama(), None, ["no_such_task"], include_path=tasks)
 
 
 def test_the_task_index_is_built_once_per_folder_state(tmp_path):
