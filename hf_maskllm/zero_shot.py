@@ -82,9 +82,10 @@ def evaluate_zero_shot(
 
 
 def _folder_state(include_path: str | os.PathLike) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """A task folder and the modification time of every file in it: a changed folder is indexed anew."""
+    """A task folder (or file) and the modification time of every file in it: a changed folder is indexed anew."""
     root = Path(include_path).resolve()
-    files = sorted(path for path in root.rglob("*") if path.is_file()) if root.is_dir() else []
+    files = sorted(path for path in root.rglob("*") if path.is_file()) if root.is_dir() else [root]
+    files = [path for path in files if path.exists()]
     return str(root), tuple((str(path), path.stat().st_mtime_ns) for path in files)
 
 

@@ -51,4 +51,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_isa", &set_isa, "Cap the instruction set (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16)");
   module.def("isa", &isa, "The instruction-set level in use");
 }
-
