@@ -155,3 +155,16 @@ class NMEveryStep(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.violations.append(len(check_nm(self.model, 2, 4).violations))
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, what: str = "logits") -> None:
+    """Outputs computed by another route than the expected ones (CPU kernels and torch's own matmuls are
+    chosen per instruction set, and compiled graphs may decompose ops: sums in another order): float32
+    within the default tolerance; 16-bit ones, rounded at every layer, within one unit in the last place
+    at the largest output's scale."""
+    atol = None
+    if expected.dtype in (torch.bfloat16, torch.float16):
+        atol = torch.finfo(expected.dtype).eps * float(expected.abs().max())
+    torch.testing.assert_close(
+        got, expected, atol=atol, rtol=None if atol is None else 1.6e-2, msg=lambda m: f"{what}: {m}"
+    )

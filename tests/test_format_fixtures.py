@@ -29,6 +29,7 @@ from models import (
     tiny_llama,
 )
 from safetensors import safe_open
+from sparse_helpers import assert_logits_close
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
@@ -76,7 +77,7 @@ def _same_numerics(meta: dict) -> bool:
     instruction set (AVX2 / AVX-512) and, like the model code, change between versions, and so can
     their last bits. With the torch, transformers and CPU capability that wrote the fixtures (recorded
     in each expected file) those are compared exactly; otherwise (e.g. ``make test-floors``, or an AVX2
-    CPU) within a tolerance (:func:`_assert_logits_close`).
+    CPU) within a tolerance (:func:`sparse_helpers.assert_logits_close`).
     """
     return (
         meta["torch"] == torch.__version__
@@ -90,7 +91,7 @@ def _assert_computed_equal(actual: torch.Tensor, expected: torch.Tensor, meta: d
     if _same_numerics(meta):
         assert torch.equal(actual, expected), what
     else:
-        _assert_logits_close(actual, expected, what)
+        assert_logits_close(actual, expected, what)
 
 
 def _sha256(tensor: torch.Tensor) -> str:
@@ -289,19 +290,6 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
 
 
-def _assert_logits_close(got: torch.Tensor, expected: torch.Tensor, what: str = "logits") -> None:
-    """Outputs computed by another route than where the fixture was written (CPU kernels and torch's own
-    matmuls are chosen per instruction set and sum in another order): float32 within the default
-    tolerance; 16-bit ones, rounded at every layer, within one unit in the last place at the largest
-    output's scale."""
-    atol = None
-    if expected.dtype in (torch.bfloat16, torch.float16):
-        atol = torch.finfo(expected.dtype).eps * float(expected.abs().max())
-    torch.testing.assert_close(
-        got, expected, atol=atol, rtol=None if atol is None else 1.6e-2, msg=lambda m: f"{what}: {m}"
-    )
-
-
 def _assert_sparse_layers(
     model: torch.nn.Module, meta: dict, weights: dict[str, torch.Tensor], dtype
 ) -> None:
@@ -324,7 +312,7 @@ def test_checkpoint_loads_exactly(name):
     # The compressed layers' forward may take another route (a CPU kernel summing in another order)
     # without any change to the format, so their logits are compared within a tolerance; the bit-exact
     # comparison is the dense-with-zeros model's below.
-    _assert_logits_close(_forward(model, expected["input_ids"]), expected["logits"])
+    assert_logits_close(_forward(model, expected["input_ids"]), expected["logits"])
 
     plain = model.dequantize()  # the dense-with-zeros model
     assert not any(isinstance(mod, SparseLinear) for mod in plain.modules())
@@ -462,7 +450,7 @@ def test_quantized_checkpoint_loads_exactly(name):
     report = check_nm(model, n=n, m=m, target_modules=targets)
     assert report.ok and {report.values[k] for k in layers} == {f"{values}, {group} per scale"}
     # the compressed layers' forward may take another route (a kernel summing in another order)
-    _assert_logits_close(_forward(model, expected["input_ids"]), expected["logits"])
+    assert_logits_close(_forward(model, expected["input_ids"]), expected["logits"])
 
     plain = model.dequantize()  # the dense model: dequantized weights in the model's dtype
     state, base_state = plain.state_dict(), base.state_dict()
