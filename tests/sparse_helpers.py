@@ -157,14 +157,18 @@ class NMEveryStep(TrainerCallback):
         self.violations.append(len(check_nm(self.model, 2, 4).violations))
 
 
-def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, what: str = "logits") -> None:
+def assert_logits_close(
+    got: torch.Tensor, expected: torch.Tensor, what: str = "logits", computed_in: torch.dtype | None = None
+) -> None:
     """Outputs computed by another route than the expected ones (CPU kernels and torch's own matmuls are
     chosen per instruction set, and compiled graphs may decompose ops: sums in another order): float32
     within the default tolerance; 16-bit ones, rounded at every layer, within one unit in the last place
-    at the largest output's scale."""
+    at the largest output's scale. ``computed_in`` names the model's dtype where the outputs were upcast
+    after it (``generate`` returns float32 logits on some transformers versions)."""
+    dtype = computed_in or expected.dtype
     atol = None
-    if expected.dtype in (torch.bfloat16, torch.float16):
-        atol = torch.finfo(expected.dtype).eps * float(expected.abs().max())
+    if dtype in (torch.bfloat16, torch.float16):
+        atol = torch.finfo(dtype).eps * float(expected.abs().max())
     torch.testing.assert_close(
         got, expected, atol=atol, rtol=None if atol is None else 1.6e-2, msg=lambda m: f"{what}: {m}"
     )
