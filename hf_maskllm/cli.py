@@ -226,15 +226,22 @@ def _load(name: str):
     return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
 
 
-def _ppl(model, tokenizer, args) -> dict[str, float]:
-    from .perplexity import evaluate_perplexity
+def _heldout(tokenizer, args) -> dict[str, torch.Tensor]:
+    """The held-out windows of every corpus of the table, tokenized once for all the models it scores."""
+    from .data import tokenize_windows
 
     return {
-        corpus: evaluate_perplexity(
-            model, tokenizer, f"{corpus}:heldout", seqlen=args.eval_seqlen, max_windows=args.eval_windows
+        corpus: tokenize_windows(
+            f"{corpus}:heldout", tokenizer, args.eval_seqlen, max_windows=args.eval_windows
         )
         for corpus in ("wikipedia", "news")
     }
+
+
+def _ppl(model, heldout: dict[str, torch.Tensor]) -> dict[str, float]:
+    from .perplexity import evaluate_perplexity
+
+    return {corpus: evaluate_perplexity(model, None, windows) for corpus, windows in heldout.items()}
 
 
 def _check_no_heldout(source: str) -> None:
@@ -295,8 +302,9 @@ def learn(args: argparse.Namespace) -> dict:
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
 
+    heldout = _heldout(tokenizer, args)
     t0 = time.perf_counter()
-    rows.append(("dense", _ppl(model, tokenizer, args), time.perf_counter() - t0))
+    rows.append(("dense", _ppl(model, heldout), time.perf_counter() - t0))
 
     prior = None if args.prior == ["none"] else args.prior
     config = MaskConfig(
@@ -329,7 +337,7 @@ def learn(args: argparse.Namespace) -> dict:
     mask_model = get_mask_model(model, config, calibration_data=calibration, mask_name=args.mask_name)
     prior_time = time.perf_counter() - t0
     mask_model.eval()
-    rows.append((f"prior ({' + '.join(args.prior)})", _ppl(mask_model, tokenizer, args), prior_time))
+    rows.append((f"prior ({' + '.join(args.prior)})", _ppl(mask_model, heldout), prior_time))
 
     train = causal_lm_dataset(args.train_data, tokenizer, seqlen=args.seqlen)
     t0 = time.perf_counter()
@@ -346,7 +354,7 @@ def learn(args: argparse.Namespace) -> dict:
         logging_steps=max(1, args.steps // 10),
     )
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
-    rows.append((f"MaskLLM ({tokens:,} tokens)", _ppl(mask_model, tokenizer, args), time.perf_counter() - t0))
+    rows.append((f"MaskLLM ({tokens:,} tokens)", _ppl(mask_model, heldout), time.perf_counter() - t0))
 
     print(
         f"\n{args.n}:{args.m} sparsity, perplexity on held-out text ({args.eval_windows} x {args.eval_seqlen} tokens)"

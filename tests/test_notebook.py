@@ -15,7 +15,8 @@ pytest.importorskip("ipykernel", reason="the notebook test needs the `test` extr
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
-TEST_BUDGET = "CALIB_SAMPLES, STEPS, EVAL_WINDOWS = 4, 2, 2"
+# 4 x 128 calibration tokens, 2 steps of 2 x 64 tokens, 1 x 128 held-out tokens per perplexity
+TEST_BUDGET = "CALIB_SAMPLES, CALIB_SEQLEN, STEPS, SEQLEN, EVAL_WINDOWS, EVAL_SEQLEN = 4, 128, 2, 64, 1, 128"
 
 
 def _executor():
@@ -72,7 +73,7 @@ def test_quickstart_notebook_executes(tmp_path):
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     text = _stream_text(nb)
-    assert "learned mask after 2 steps" in text  # the test's budget took effect
+    assert "learned mask after 2 steps (256 tokens)" in text  # the test's budget took effect
     for line in ("| dense ", "| Wanda prior ", "| MaskLLM (learned) ", "2:4 check:", "reloaded sparse model"):
         assert line in text, f"the notebook printed no {line!r}"
     assert any("image/png" in out.get("data", {}) for out in outputs), "the training curve was not plotted"

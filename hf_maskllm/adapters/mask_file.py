@@ -224,7 +224,13 @@ def write_logits(path: Path, logits: dict[str, torch.Tensor]) -> None:
         if not bool(torch.isfinite(t).all()):
             raise MaskFileError(f"Logits of {name} contain NaN or inf; refusing to save them.")
     checksums = {name: _crc32(t) for name, t in logits.items()}
-    metadata = {"format": LOGITS_TAG, "crc32": json.dumps(checksums, sort_keys=True)}
+    # the CRC covers the bytes, not how they are read: a header relabelled bfloat16 <-> float16 keeps them
+    dtypes = {name: str(t.dtype).removeprefix("torch.") for name, t in logits.items()}
+    metadata = {
+        "format": LOGITS_TAG,
+        "crc32": json.dumps(checksums, sort_keys=True),
+        "dtypes": json.dumps(dtypes, sort_keys=True),
+    }
     save_safetensors({f"{k}.logits": v for k, v in logits.items()}, path, metadata=metadata)
 
 
@@ -237,6 +243,10 @@ def read_logits(path: Path, shapes: dict[str, tuple[int, int]]) -> dict[str, tor
             f"delete it to load the hard masks alone, or save the mask again with save_logits=True."
         )
     checksums = stored_checksums(metadata, "crc32", path, MaskFileError, "Mask file")
+    # the dtype each layer was saved in (files written before hf_maskllm recorded it have none)
+    dtypes = (
+        stored_checksums(metadata, "dtypes", path, MaskFileError, "Mask file") if "dtypes" in metadata else {}
+    )
     extra = sorted(set(tensors) - {f"{name}.logits" for name in shapes})
     if extra:
         raise MaskFileError(
@@ -256,10 +266,12 @@ def read_logits(path: Path, shapes: dict[str, tuple[int, int]]) -> dict[str, tor
                 f"{path}: logits of {name} are not finite floats; the file is corrupt. Delete it to load the "
                 "hard masks alone, or save the mask again."
             )
-        if checksums.get(name) != _crc32(t):
+        stored_as = str(t.dtype).removeprefix("torch.")
+        if checksums.get(name) != _crc32(t) or (dtypes and dtypes.get(name) != stored_as):
             raise MaskFileError(
-                f"{path}: logits of {name} fail their checksum; the file is corrupt. Delete it to load the hard "
-                "masks alone, or save the mask again."
+                f"{path}: logits of {name} fail their checksum ({stored_as}, saved as "
+                f"{dtypes.get(name, stored_as)}); the file is corrupt. Delete it to load the hard masks alone, or "
+                "save the mask again."
             )
         out[name] = t
     return out

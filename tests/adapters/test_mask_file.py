@@ -233,6 +233,27 @@ def test_non_finite_logits_are_not_saved_or_loaded(tmp_path):
         MaskModel.from_pretrained(tiny_llama(), tmp_path)
 
 
+def test_logits_relabelled_to_another_dtype_of_their_width_are_refused(tmp_path):
+    """bfloat16 <-> float16 keeps every byte (the CRC passes) and reads other numbers: the saved dtype is
+    checked too. A file without the recorded dtypes (older saves) still loads."""
+    mm = trained_like()
+    mm.save_pretrained(tmp_path, save_logits=True)
+    path = tmp_path / LOGITS_NAME
+    raw = path.read_bytes()
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8 : 8 + header_len]
+    assert b'"BF16"' in header  # the default logits dtype
+    path.write_bytes(raw[:8] + header.replace(b'"BF16"', b'"F16" ', 1) + raw[8 + header_len :])
+    with pytest.raises(MaskFileError, match=r"fail their checksum \(float16, saved as bfloat16\)"):
+        MaskModel.from_pretrained(tiny_llama(), tmp_path)
+
+    mm.save_pretrained(tmp_path, save_logits=True)
+    _rewrite(path, lambda tensors, metadata: metadata.pop("dtypes"))
+    loaded = MaskModel.from_pretrained(tiny_llama(), tmp_path)
+    for name, layer in loaded.masked_layers().items():
+        assert torch.equal(layer.mask_logits, mm.masked_layers()[name].mask_logits)
+
+
 def test_a_mask_config_of_the_wrong_kind_names_the_fix(tmp_path):
     (tmp_path / CONFIG_NAME).write_text("[1, 2]")
     with pytest.raises(MaskFileError, match=rf"JSON object.* Fix {CONFIG_NAME}, or save the mask again"):
