@@ -12,10 +12,9 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 FLOORS_VENV ?= .venv-floors
 # Installs into two venvs may run at once (.ci/run): one at a time writes hf_maskllm.egg-info into the checkout.
 EDITABLE_LOCK := $(if $(shell command -v flock),flock .install.lock)
-# pytest-xdist workers (one per core by default); each test file runs whole in one worker, the files in the
-# order tests/conftest.py sorts them (the longest first), not reordered by their number of tests.
+# pytest-xdist workers (one per core by default); each test file runs whole in one worker.
 PYTEST_WORKERS ?= auto
-PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST_PAR := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install run test test-fast test-floors style
 install: $(VENV)/.installed

@@ -267,11 +267,12 @@ def read_logits(path: Path, shapes: dict[str, tuple[int, int]]) -> dict[str, tor
                 "hard masks alone, or save the mask again."
             )
         stored_as = str(t.dtype).removeprefix("torch.")
-        if checksums.get(name) != _crc32(t) or (dtypes and dtypes.get(name) != stored_as):
+        relabelled = bool(dtypes) and dtypes.get(name) != stored_as
+        if checksums.get(name) != _crc32(t) or relabelled:
+            detail = f" (stored as {stored_as}, saved as {dtypes.get(name)})" if relabelled else ""
             raise MaskFileError(
-                f"{path}: logits of {name} fail their checksum ({stored_as}, saved as "
-                f"{dtypes.get(name, stored_as)}); the file is corrupt. Delete it to load the hard masks alone, or "
-                "save the mask again."
+                f"{path}: logits of {name} fail their checksum{detail}; the file is corrupt. Delete it to load "
+                "the hard masks alone, or save the mask again."
             )
         out[name] = t
     return out

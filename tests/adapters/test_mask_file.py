@@ -244,7 +244,7 @@ def test_logits_relabelled_to_another_dtype_of_their_width_are_refused(tmp_path)
     header = raw[8 : 8 + header_len]
     assert b'"BF16"' in header  # the default logits dtype
     path.write_bytes(raw[:8] + header.replace(b'"BF16"', b'"F16" ', 1) + raw[8 + header_len :])
-    with pytest.raises(MaskFileError, match=r"fail their checksum \(float16, saved as bfloat16\)"):
+    with pytest.raises(MaskFileError, match=r"fail their checksum \(stored as float16, saved as bfloat16\)"):
         MaskModel.from_pretrained(tiny_llama(), tmp_path)
 
     mm.save_pretrained(tmp_path, save_logits=True)
