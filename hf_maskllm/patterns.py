@@ -82,20 +82,25 @@ def mask_to_indices(mask: torch.Tensor, n: int, m: int) -> torch.Tensor:
         raise ConfigError(
             f"mask must be 2-D with a last dimension divisible by m={m}, got shape {tuple(mask.shape)}."
         )
-    groups = mask.reshape(-1, m).bool()
-    bad = groups.sum(dim=1) != n
+    # Encode each group as an m-bit integer (one shift-or per position: a reduction over a dimension of m
+    # is several times slower), then look the code up in the candidate table; codes of no candidate (a
+    # group not keeping exactly n weights) look up -1.
+    groups = mask.reshape(-1, m).bool().to(torch.uint8 if m <= 8 else torch.long)
+    codes = groups[:, 0].clone()
+    for j in range(1, m):
+        codes |= groups[:, j] << j
+    weights = 2 ** torch.arange(m, device=mask.device)
+    cand_codes = (candidate_patterns(n, m, dtype=torch.long, device=mask.device) * weights).sum(dim=1)
+    lookup = torch.full((2**m,), -1, dtype=torch.long, device=mask.device)
+    lookup[cand_codes] = torch.arange(cand_codes.numel(), device=mask.device)
+    indices = lookup[codes.long()]
+    bad = indices < 0
     if bool(bad.any()):
         raise NMViolationError(
             f"{int(bad.sum())} of {groups.shape[0]} groups do not keep exactly {n} of {m} weights; "
             "a prior or stored mask must be exactly N:M."
         )
-    # Encode each group as an m-bit integer, then look the code up in the candidate table.
-    weights = 2 ** torch.arange(m, device=mask.device)
-    codes = (groups.long() * weights).sum(dim=1)
-    cand_codes = (candidate_patterns(n, m, dtype=torch.long, device=mask.device) * weights).sum(dim=1)
-    lookup = torch.full((2**m,), -1, dtype=torch.long, device=mask.device)
-    lookup[cand_codes] = torch.arange(cand_codes.numel(), device=mask.device)
-    return lookup[codes]
+    return indices
 
 
 def count_nm_violations(weight: torch.Tensor, n: int, m: int) -> int:

@@ -15,8 +15,8 @@ pytest.importorskip("ipykernel", reason="the notebook test needs the `test` extr
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
-# 4 x 128 calibration tokens, 2 steps of 2 x 64 tokens, 1 x 128 held-out tokens per perplexity
-TEST_BUDGET = "CALIB_SAMPLES, CALIB_SEQLEN, STEPS, SEQLEN, EVAL_WINDOWS, EVAL_SEQLEN = 4, 128, 2, 64, 1, 128"
+# 2 x 64 calibration tokens, 2 steps of 2 x 64 tokens, 1 x 128 held-out tokens per perplexity
+TEST_BUDGET = "CALIB_SAMPLES, CALIB_SEQLEN, STEPS, SEQLEN, EVAL_WINDOWS, EVAL_SEQLEN = 2, 64, 2, 64, 1, 128"
 
 
 def _executor():

@@ -57,6 +57,19 @@ def tasks(tmp_path_factory) -> Path:
     return task_folder(tmp_path_factory.mktemp("tasks"))
 
 
+@pytest.fixture(scope="module")
+def magnitude_mask(tmp_path_factory):
+    """The real SmolLM2 under a magnitude 2:4 mask (eval mode), its tokenizer, and that mask saved."""
+    from hf_maskllm import MaskConfig, get_mask_model
+    from hf_maskllm.embedded import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
+    saved = tmp_path_factory.mktemp("magnitude") / "mask"
+    mask_model.save_pretrained(saved)
+    return mask_model, tokenizer, saved
+
+
 @torch.no_grad()
 def own_accuracy(model, tokenizer) -> float:
     """The share of documents whose answer has the highest summed log-probability (lm-eval's ``acc``)."""
@@ -76,19 +89,18 @@ def own_accuracy(model, tokenizer) -> float:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path, tasks):
+def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path, tasks, magnitude_mask):
     from transformers import AutoModelForCausalLM
 
-    from hf_maskllm import MaskConfig, get_mask_model
     from hf_maskllm.embedded import load_smollm2
     from hf_maskllm.zero_shot import evaluate_zero_shot
 
-    model, tokenizer = load_smollm2()
+    model, _ = load_smollm2()
+    mask_model, tokenizer, _ = magnitude_mask
     dense = evaluate_zero_shot(model, tokenizer, ["tiny_mc"], include_path=tasks)["tiny_mc"]
     assert dense["acc,none"] == own_accuracy(model, tokenizer)
     assert dense["acc,none"] >= 0.75  # easy questions for the dense model
 
-    mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
     masked = evaluate_zero_shot(mask_model, tokenizer, ["tiny_mc"], include_path=tasks)["tiny_mc"]
     assert masked["acc,none"] == own_accuracy(mask_model, tokenizer)  # the hard masks were applied
 
@@ -100,15 +112,11 @@ def test_lm_eval_scores_the_dense_masked_and_compressed_model(tmp_path, tasks):
 
 
 @pytest.mark.slow
-def test_the_cli_runs_a_task_on_a_saved_mask(tmp_path, tasks, capsys):
-    from hf_maskllm import MaskConfig, get_mask_model
+def test_the_cli_runs_a_task_on_a_saved_mask(tmp_path, tasks, magnitude_mask, capsys):
     from hf_maskllm.cli import main
-    from hf_maskllm.embedded import load_smollm2
 
-    model, tokenizer = load_smollm2()
-    mask_model = get_mask_model(model, MaskConfig(prior="magnitude"))
-    mask_model.save_pretrained(tmp_path / "mask")
-    main(["zero-shot", "--mask", str(tmp_path / "mask"), "--tasks", "tiny_mc", "--include-path", str(tasks)]
+    mask_model, tokenizer, saved = magnitude_mask
+    main(["zero-shot", "--mask", str(saved), "--tasks", "tiny_mc", "--include-path", str(tasks)]
          + ["--output", str(tmp_path / "zs.json")])  # fmt: skip
     results = json.loads((tmp_path / "zs.json").read_text())
     assert results["tiny_mc"]["acc,none"] == own_accuracy(mask_model, tokenizer)

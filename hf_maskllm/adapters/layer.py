@@ -223,7 +223,7 @@ class MaskedLinear(nn.Module):
         self._check_known(name)
         key = mask_key(name)
         if key in self.logits:
-            return self.logits[key].argmax(dim=-1)
+            return hard_indices(self.logits[key].detach()).long()
         return unpack_indices(self.packed_masks[key], self.num_groups, num_candidates(self.n, self.m))
 
     def hard_mask(self) -> torch.Tensor:

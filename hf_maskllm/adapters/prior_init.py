@@ -80,9 +80,10 @@ def prior_logits(
     cand = candidate_patterns(n, m, device=out.device)
     std = out.std() if out.numel() > 1 else out.new_tensor(init_std)
     prior_idx = [mask_to_indices(k.bool(), n, m) for k in masks]  # validates exact N:M
-    for k in masks:
-        overlap = k.reshape(-1, m).float() @ cand.t()  # [G, C]
-        out += alpha * std * (overlap - n / 2)
+    # A group's term depends on its prior candidate alone: one row of a [C, C] table per group, gathered.
+    table = alpha * std * (cand @ cand.t() - n / 2)  # [C, C]: overlap of candidate i's pattern with j's
+    for idx in prior_idx:
+        out += table[idx]
     if len(masks) > 1:
         return out.to(logits.dtype)
     return keep_lead(out, prior_idx[0], max(float(std) * 1e-3, 1e-6), logits.dtype)
@@ -92,8 +93,8 @@ def keep_lead(out: torch.Tensor, lead_idx: torch.Tensor, margin: float, dtype: t
     """``out`` (float32 ``[G, C]``) in ``dtype`` with candidate ``lead_idx`` the argmax of every group: where
     another candidate reaches it, its logit is raised ``margin`` above the group's maximum, and where rounding
     to a 16-bit ``dtype`` then ties or reorders them, to the next representable value above it."""
-    best = out.max(dim=1).values
-    losers = out.argmax(dim=1) != lead_idx
+    best, leader = out.max(dim=1)
+    losers = leader != lead_idx
     out[losers, lead_idx[losers]] = best[losers] + margin
     out = out.to(dtype)
     losers = out.argmax(dim=1) != lead_idx

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, MaskFileError, MaskLLMError
 from ..modules import is_conv1d
+from ..numerics.sampling import hard_indices
 from ..patterns import candidate_patterns, indices_to_mask
 from ..serialization import atomic_folder, atomic_write
 from .card import mask_model_card
@@ -128,7 +129,7 @@ def _save_one(
                     "save a corrupt mask. Resume from an earlier checkpoint with a lower learning rate."
                 )
     if logits is not None:
-        indices = {name: tensor.argmax(dim=-1).cpu() for name, tensor in logits.items()}
+        indices = {name: hard_indices(tensor).cpu() for name, tensor in logits.items()}
     else:
         indices = {name: idx.cpu() for name, idx in mask_model.hard_indices(mask_name).items()}
     if save_logits and logits is None:
