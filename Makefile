@@ -47,9 +47,12 @@ test-fast: install
 # The fast tests (not the slow ones, nor the notebook) on the oldest versions setup.cfg allows, in a venv of their own
 # (a fresh SmolLM2 cache, so the GGUF conversion runs on the oldest gguf too; a fresh build of the CPU kernels, with
 # the oldest ninja). The loader fuzzers generate a quarter as many (derandomized) corruptions as in `make test`.
-# Left out: the files whose outcome no package version changes (crash safety: signals and atomic renames; the
-# docs' numbers against the results files; the package's own import layering); `make test` runs them.
-FLOORS_SKIP := $(addprefix --ignore=tests/,test_crash_safety.py test_docs.py test_layering.py)
+# Left out: the files whose outcome no version the floors change can alter, as they use torch alone (the same
+# CPU build in both venvs) or no package at all: the sampling and fused-linear numerics, the CPU kernel routes
+# against float64 (the floors build the kernels afresh all the same), crash safety (signals and atomic renames),
+# the docs' numbers against the results files, the package's own import layering. `make test` runs them.
+FLOORS_SKIP := $(addprefix --ignore=tests/,numerics kernels/test_cpu_ops.py kernels/test_cpu_quant.py \
+	test_crash_safety.py test_docs.py test_layering.py)
 test-floors:
 	$(MAKE) install VENV=$(FLOORS_VENV) CONSTRAINTS=.ci/floors.txt TORCH_PKGS="torch triton"
 	$(OFFLINE) $(REQUIRE) TRITON_INTERPRET=1 HF_MASKLLM_CACHE=$(FLOORS_VENV)/hf_maskllm-cache HF_MASKLLM_FUZZ_SHARE=0.25 \

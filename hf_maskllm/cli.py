@@ -42,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     learn.add_argument("--n", type=int, default=2)
     learn.add_argument("--m", type=int, default=4)
-    learn.add_argument("--steps", type=int, default=40, help="optimizer steps of mask learning")
+    learn.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help="optimizer steps of mask learning (0: score and save the prior alone, e.g. a published mask)",
+    )
     learn.add_argument(
         "--lr", type=float, default=5e-4, help="learning rate of the logits (the reference value)"
     )
@@ -138,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     learn.add_argument("--no-merged", action="store_true", help="do not write the compressed sparse model")
     learn.add_argument(
         "--save-logits", action="store_true", help="also save the fp32 logits (to resume / transfer)"
+    )
+    learn.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=32,
+        help="new tokens of the dense and sparse continuations printed at the end (0: none)",
     )
     zero_shot = sub.add_parser(
         "zero-shot", help="zero-shot accuracy with lm-evaluation-harness (pip install 'hf_maskllm[eval]')"
@@ -260,11 +271,11 @@ def _check_no_heldout(source: str) -> None:
 PROMPTS = ["The history of the city", "Photosynthesis is the process by which"]
 # Greedy decoding with the repetition controls a user would set for a small model: a plain greedy
 # continuation of a 135M model loops ("of the city of the city ...") whether it is dense or sparse.
-DECODING = {"max_new_tokens": 32, "do_sample": False, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}
-DECODING_NOTE = "greedy, repetition_penalty=1.3, no_repeat_ngram_size=3, 32 new tokens"
+DECODING = {"do_sample": False, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}
+DECODING_NOTE = "greedy, repetition_penalty=1.3, no_repeat_ngram_size=3"
 
 
-def _continue(model, tokenizer, dense: bool = False) -> list[str]:
+def _continue(model, tokenizer, new_tokens: int, dense: bool = False) -> list[str]:
     """Continuations of :data:`PROMPTS` (without the prompt); ``dense``: a MaskModel with its masks off."""
     import contextlib
 
@@ -274,7 +285,10 @@ def _continue(model, tokenizer, dense: bool = False) -> list[str]:
         for prompt in PROMPTS:
             inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
             out = model.generate(
-                **inputs, **DECODING, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id
+                **inputs,
+                **DECODING,
+                max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
             )
             texts.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
     return texts
@@ -286,6 +300,7 @@ def learn(args: argparse.Namespace) -> dict:
     from .adapters.save_and_load import check_mask_name, mask_folder
     from .check import check_nm
     from .data import calibration_tokens, causal_lm_dataset
+    from .errors import ConfigError
     from .learn import learn_mask
     from .serialization import save_json
     from .sparse.quantize import resolve_values
@@ -293,6 +308,10 @@ def learn(args: argparse.Namespace) -> dict:
 
     _check_no_heldout(args.train_data)
     check_mask_name(args.mask_name)  # before the slow steps
+    if args.steps < 0:
+        raise ConfigError(f"--steps must be 0 (score the prior alone) or more, got {args.steps}.")
+    if args.sample_tokens < 0:
+        raise ConfigError(f"--sample-tokens must be 0 (no continuations) or more, got {args.sample_tokens}.")
     resolve_values(args.values, args.group_size)
     torch.manual_seed(args.seed)
     out = Path(args.output)
@@ -339,22 +358,25 @@ def learn(args: argparse.Namespace) -> dict:
     mask_model.eval()
     rows.append((f"prior ({' + '.join(args.prior)})", _ppl(mask_model, heldout), prior_time))
 
-    train = causal_lm_dataset(args.train_data, tokenizer, seqlen=args.seqlen)
-    t0 = time.perf_counter()
-    trainer = learn_mask(
-        mask_model,
-        train,
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        **(PAPER_LR_SCHEDULE if args.lr_schedule == "cosine" else {}),
-        batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        output_dir=str(out / "trainer"),
-        seed=args.seed,
-        logging_steps=max(1, args.steps // 10),
-    )
     tokens = args.steps * args.batch_size * args.grad_accum * args.seqlen
-    rows.append((f"MaskLLM ({tokens:,} tokens)", _ppl(mask_model, heldout), time.perf_counter() - t0))
+    log_history: list[dict] = []
+    if args.steps:
+        train = causal_lm_dataset(args.train_data, tokenizer, seqlen=args.seqlen)
+        t0 = time.perf_counter()
+        trainer = learn_mask(
+            mask_model,
+            train,
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            **(PAPER_LR_SCHEDULE if args.lr_schedule == "cosine" else {}),
+            batch_size=args.batch_size,
+            gradient_accumulation_steps=args.grad_accum,
+            output_dir=str(out / "trainer"),
+            seed=args.seed,
+            logging_steps=max(1, args.steps // 10),
+        )
+        log_history = trainer.state.log_history
+        rows.append((f"MaskLLM ({tokens:,} tokens)", _ppl(mask_model, heldout), time.perf_counter() - t0))
 
     print(
         f"\n{args.n}:{args.m} sparsity, perplexity on held-out text ({args.eval_windows} x {args.eval_seqlen} tokens)"
@@ -375,25 +397,32 @@ def learn(args: argparse.Namespace) -> dict:
             out / "sparse-model", merged=True, tokenizer=tokenizer, **_value_kwargs(args)
         )
         print(f"compressed {args.n}:{args.m} model saved to {out / 'sparse-model'}")
-    dense_texts = _continue(mask_model, tokenizer, dense=True)
+    new_tokens = args.sample_tokens
+    dense_texts = _continue(mask_model, tokenizer, new_tokens, dense=True) if new_tokens else []
     sparse = mask_model.merge_and_unload()
     report = check_nm(sparse, args.n, args.m, target_modules=config.target_modules)
     print(report.__str__().splitlines()[0])
-    generator, source = sparse, "merged in memory"
-    if not args.no_merged:  # generate from the compressed checkpoint as a user would load it
-        from transformers import AutoModelForCausalLM
+    sample = None
+    if new_tokens:
+        generator, source = sparse, "merged in memory"
+        if not args.no_merged:  # generate from the compressed checkpoint as a user would load it
+            from transformers import AutoModelForCausalLM
 
-        generator = AutoModelForCausalLM.from_pretrained(out / "sparse-model").to(sparse.device).eval()
-        source = f"loaded from {out / 'sparse-model'}"
-    sparse_texts = _continue(generator, tokenizer)
-    print(f"\ncontinuations ({DECODING_NOTE}); dense vs {args.n}:{args.m} ({source}):")
-    for prompt, dense_text, sparse_text in zip(PROMPTS, dense_texts, sparse_texts, strict=True):
-        print(f"\n  prompt: {prompt!r}\n  dense:  {dense_text!r}\n  {args.n}:{args.m}:    {sparse_text!r}")
-    sample = {"prompts": PROMPTS, "decoding": DECODING, "dense": dense_texts, "sparse": sparse_texts}
+            generator = AutoModelForCausalLM.from_pretrained(out / "sparse-model").to(sparse.device).eval()
+            source = f"loaded from {out / 'sparse-model'}"
+        sparse_texts = _continue(generator, tokenizer, new_tokens)
+        note = f"{DECODING_NOTE}, {new_tokens} new tokens"
+        print(f"\ncontinuations ({note}); dense vs {args.n}:{args.m} ({source}):")
+        for prompt, dense_text, sparse_text in zip(PROMPTS, dense_texts, sparse_texts, strict=True):
+            print(
+                f"\n  prompt: {prompt!r}\n  dense:  {dense_text!r}\n  {args.n}:{args.m}:    {sparse_text!r}"
+            )
+        decoding = {**DECODING, "max_new_tokens": new_tokens}
+        sample = {"prompts": PROMPTS, "decoding": decoding, "dense": dense_texts, "sparse": sparse_texts}
     results = {
         "perplexity": {name: ppl for name, ppl, _ in rows},
         "seconds": {name: s for name, _, s in rows},
-        "log_history": trainer.state.log_history,
+        "log_history": log_history,
         "sample": sample,
     }
     save_json(json.loads(json.dumps(results, default=str)), out / "results.json")  # atomic

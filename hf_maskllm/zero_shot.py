@@ -52,7 +52,14 @@ def evaluate_zero_shot(
 
     if isinstance(tasks, str) or not tasks:
         raise ConfigError(f"tasks must be a non-empty list of lm-eval task names, got {tasks!r}.")
-    task_manager = _task_manager(TaskManager, None if include_path is None else _folder_state(include_path))
+    folder = None if include_path is None else _folder_state(include_path)
+    task_manager = None
+    if folder is not None:  # your own tasks alone need no index of lm-eval's (seconds to build)
+        own = _task_manager(TaskManager, folder, False)
+        if all(task in own.all_subtasks for task in tasks):  # tasks, not groups or tags that may name others
+            task_manager = own
+    if task_manager is None:
+        task_manager = _task_manager(TaskManager, folder, True)
     unknown = [task for task in tasks if task not in task_manager.all_tasks]
     if unknown:
         raise ConfigError(
@@ -90,7 +97,12 @@ def _folder_state(include_path: str | os.PathLike) -> tuple[str, tuple[tuple[str
 
 
 @lru_cache(maxsize=8)
-def _task_manager(task_manager_class: type, folder: tuple[str, tuple[tuple[str, int], ...]] | None) -> Any:
-    """lm-eval's index of its tasks (and of ``folder``'s), built once per process: building it reads every
-    task file lm-eval ships, over ten seconds on a CPU, and evaluating several models would repeat it."""
-    return task_manager_class(include_path=folder[0]) if folder is not None else task_manager_class()
+def _task_manager(
+    task_manager_class: type, folder: tuple[str, tuple[tuple[str, int], ...]] | None, defaults: bool = True
+) -> Any:
+    """lm-eval's index of ``folder``'s tasks and, with ``defaults``, of its own, built once per process:
+    indexing lm-eval's own reads every task file it ships, over ten seconds on a CPU, and evaluating several
+    models would repeat it."""
+    if folder is None:
+        return task_manager_class()
+    return task_manager_class(include_path=folder[0], include_defaults=defaults)

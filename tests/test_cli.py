@@ -56,6 +56,8 @@ def main_job(tmp_path_factory) -> tuple[Path, str]:
         "4",
         "--calib-seqlen",
         "64",
+        "--sample-tokens",
+        "8",
     ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -100,7 +102,18 @@ def test_main_job_on_smollm2(main_job):
     assert all(text.strip() for text in sample["dense"] + sample["sparse"])
     assert sample["dense"] != sample["sparse"]  # the dense continuation really ran without masks
     assert "repetition_penalty=1.3" in printed and f"dense:  {sample['dense'][0]!r}" in printed
+    assert sample["decoding"]["max_new_tokens"] == 8 and "8 new tokens" in printed  # --sample-tokens
     assert "loaded from" in printed
+
+
+def test_cli_refuses_negative_steps_and_sample_lengths_before_loading(tmp_path):
+    from hf_maskllm.cli import main
+    from hf_maskllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--sample-tokens must be 0"):
+        main(["learn", "--sample-tokens", "-1", "--output", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--steps must be 0"):
+        main(["learn", "--steps", "-1", "--output", str(tmp_path)])
 
 
 def test_cli_refuses_an_invalid_mask_name_before_loading(tmp_path):
@@ -135,7 +148,7 @@ def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path, main_jo
         "json-code",
     ]
     main(["learn", *args, "--steps", "1", "--eval-windows", "1", "--eval-seqlen", "64", "--seqlen", "64"]
-         + ["--no-merged", "--output", str(tmp_path / "task")])  # fmt: skip
+         + ["--no-merged", "--sample-tokens", "0", "--output", str(tmp_path / "task")])  # fmt: skip
     assert (tmp_path / "task" / "mask" / "json-code" / "mask_config.json").is_file()
     model, _ = load_smollm2()
     served = MaskModel.from_pretrained(model, general / "mask", mask_name="general")
@@ -149,8 +162,8 @@ def test_downstream_job_learns_a_named_mask_from_a_saved_prior(tmp_path, main_jo
 
 @pytest.mark.slow
 def test_cli_takes_the_reference_mask_file_as_its_prior(tmp_path, main_job):
-    """`learn --prior mask_compressed.npz`: the prior the run evaluates is exactly the file's mask, here the
-    main job's learned mask written in the reference's format."""
+    """`learn --prior mask_compressed.npz --steps 0` scores a published mask: the prior the run evaluates is
+    exactly the file's mask, here the main job's learned mask written in the reference's format."""
     import io
 
     from hf_maskllm import MaskModel
@@ -166,13 +179,13 @@ def test_cli_takes_the_reference_mask_file_as_its_prior(tmp_path, main_job):
         "--prior",
         str(npz),
         "--steps",
-        "1",
+        "0",  # score and save the prior alone
         "--eval-windows",
         "1",
         "--eval-seqlen",
         "128",
-        "--seqlen",
-        "64",
+        "--sample-tokens",
+        "0",  # no continuations: this run checks the prior
     ]
     with contextlib.redirect_stdout(printed):
         main(["learn", *args, "--no-merged", "--output", str(tmp_path / "out")])
@@ -181,3 +194,7 @@ def test_cli_takes_the_reference_mask_file_as_its_prior(tmp_path, main_job):
     assert ppl[f"prior ({npz})"] == pytest.approx(learned, rel=1e-6)  # the same hard masks, the same windows
     saved_config = json.loads((tmp_path / "out" / "mask" / "mask_config.json").read_text())
     assert saved_config["prior"] == str(npz)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["sample"] is None and "continuations" not in printed.getvalue()  # --sample-tokens 0
+    assert list(ppl) == ["dense", f"prior ({npz})"] and results["log_history"] == []  # --steps 0: no learning
+    assert "MaskLLM" not in printed.getvalue()

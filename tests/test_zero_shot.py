@@ -141,7 +141,7 @@ def test_the_task_index_is_built_once_per_folder_state(tmp_path):
     built = []
 
     class Index:
-        def __init__(self, include_path=None):
+        def __init__(self, include_path=None, include_defaults=True):
             built.append(include_path)
 
     task_folder(tmp_path)
@@ -152,6 +152,46 @@ def test_the_task_index_is_built_once_per_folder_state(tmp_path):
     assert _task_manager(Index, _folder_state(tmp_path)) is not first and len(built) == 2
     _task_manager(Index, None)
     assert built[-1] is None  # lm-eval's own tasks alone
+
+
+def test_own_tasks_are_evaluated_without_indexing_lm_evals_tasks(tmp_path, monkeypatch):
+    """Tasks all defined in include_path need no index of lm-eval's own tasks; any other name (one of lm-eval's
+    tasks, a group or tag of the folder, which may name lm-eval's tasks, or an unknown name) gets the full one."""
+    import lm_eval
+    import lm_eval.models.huggingface
+    import lm_eval.tasks
+    from models import tiny_llama
+
+    from hf_maskllm.zero_shot import _folder_state, _task_manager, evaluate_zero_shot
+
+    built, used = [], []
+
+    class Index:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_subtasks = ["tiny_mc", *(["hellaswag"] if include_defaults else [])]
+            self.all_tasks = [*self.all_subtasks, "tiny_group"]
+
+    def simple_evaluate(model, tasks, task_manager, **kwargs):
+        used.append(task_manager)
+        return {"results": {task: {"acc,none": 0.5} for task in tasks}}
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    monkeypatch.setattr(lm_eval.models.huggingface, "HFLM", lambda **kwargs: None)
+    _task_manager.cache_clear()
+    folder = task_folder(tmp_path)
+    assert evaluate_zero_shot(tiny_llama(), None, ["tiny_mc"], include_path=folder) == {
+        "tiny_mc": {"acc,none": 0.5}
+    }
+    assert built == [False] and used == [_task_manager(Index, _folder_state(folder), False)]
+    for names in (["tiny_mc", "hellaswag"], ["tiny_group"]):
+        evaluate_zero_shot(tiny_llama(), None, names, include_path=folder)
+        assert used[-1] is _task_manager(Index, _folder_state(folder), True)
+    assert built == [False, True]  # each index built once
+    with pytest.raises(ConfigError, match="knows no task"):
+        evaluate_zero_shot(tiny_llama(), None, ["no_such_task"], include_path=folder)
+    _task_manager.cache_clear()
 
 
 def test_a_missing_lm_eval_names_the_extra(monkeypatch):
