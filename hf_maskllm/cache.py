@@ -1,4 +1,5 @@
-"""Where hf_maskllm keeps what it builds once per machine (the converted SmolLM2, compiled kernels)."""
+"""Where hf_maskllm keeps what it builds once per machine (the converted SmolLM2, the extracted Wikipedia
+articles, compiled kernels)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ calibrated, trained and evaluated on inputs of that shape.
 Two real corpora ship offline inside the ``gensim`` wheel (:func:`load_embedded_texts`):
 
 - ``"wikipedia"``: the 100 articles longer than 2,000 characters (after ``filter_wiki``) of gensim's
-  shortened English Wikipedia dump, in file order (about 3.1 M characters).
+  shortened English Wikipedia dump, in file order (about 3.1 M characters). They are extracted once per
+  machine and kept under :func:`~hf_maskllm.cache.cache_root` ``/corpora``.
 - ``"news"``: the 293 distinct articles of ``lee_background.cor`` (300 lines, one article per line,
   7 repeated; first occurrences kept), in file order.
 
@@ -23,17 +24,27 @@ learning); ``"all"`` is every article. Splits never change between runs or machi
 from __future__ import annotations
 
 import bz2
+import contextlib
 import functools
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
+import logging
 import os
 import re
+import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .cache import cache_root
 from .errors import DataError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EMBEDDED_CORPORA",
@@ -66,6 +77,57 @@ def _gensim_test_data() -> Path:
     return Path(spec.submodule_search_locations[0]) / "test" / "test_data"
 
 
+def _wiki_cache_file(source: Path) -> Path:
+    """Where the articles extracted from ``source`` are kept: named for the gensim version, the dump's size
+    and the extraction rule, so a different wheel or rule extracts anew."""
+    try:
+        version = importlib.metadata.version("gensim")
+    except importlib.metadata.PackageNotFoundError:  # found on the path without its metadata
+        version = "unknown"
+    key = f"gensim-{version}-{source.stat().st_size}-min{MIN_WIKI_CHARS}-v1"
+    return cache_root() / "corpora" / f"wikipedia-{key}.json"
+
+
+def _read_cached_articles(path: Path) -> tuple[str, ...] | None:
+    """The articles a previous extraction saved at ``path``, or None where there is no usable file."""
+    try:
+        articles = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(articles, list) or not articles or not all(isinstance(a, str) for a in articles):
+        return None
+    return tuple(articles)
+
+
+def _write_cached_articles(path: Path, articles: tuple[str, ...]) -> None:
+    """Save ``articles`` at ``path`` through a temporary sibling and a rename, so a reader never sees half a
+    file; a cache that cannot be written (a read-only home) only costs the next process the extraction."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(list(articles), f)
+        os.replace(tmp, path)
+    except OSError as error:
+        logger.info("hf_maskllm: could not cache the extracted Wikipedia articles at %s (%s).", path, error)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _extract_wiki(source: Path) -> tuple[str, ...]:
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    articles = []
+    with bz2.open(source, "rb") as f:
+        for _title, text, _pageid in extract_pages(f):
+            text = re.sub(r"\n{3,}", "\n\n", filter_wiki(text)).strip()
+            if len(text) > MIN_WIKI_CHARS:
+                articles.append(text)
+    return tuple(articles)
+
+
 @functools.lru_cache(maxsize=2)
 def _embedded_articles(corpus: str) -> tuple[str, ...]:
     folder = _gensim_test_data()
@@ -73,15 +135,14 @@ def _embedded_articles(corpus: str) -> tuple[str, ...]:
         lines = (folder / _NEWS_FILE).read_text(encoding="utf-8").splitlines()
         # the file repeats 7 articles; keep first occurrences so no text is in both train and heldout
         return tuple(dict.fromkeys(line.strip() for line in lines if line.strip()))
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    articles = []
-    with bz2.open(folder / _WIKI_FILE, "rb") as f:
-        for _title, text, _pageid in extract_pages(f):
-            text = re.sub(r"\n{3,}", "\n\n", filter_wiki(text)).strip()
-            if len(text) > MIN_WIKI_CHARS:
-                articles.append(text)
-    return tuple(articles)
+    # Extracting the Wikipedia dump (bz2 and wiki markup) takes seconds; each machine does it once.
+    source = folder / _WIKI_FILE
+    cached = _wiki_cache_file(source)
+    articles = _read_cached_articles(cached)
+    if articles is None:
+        articles = _extract_wiki(source)
+        _write_cached_articles(cached, articles)
+    return articles
 
 
 def load_embedded_texts(corpus: str = "wikipedia", split: str = "all") -> list[str]:
@@ -185,13 +246,31 @@ def text_prefix_ids(tokenizer: Any) -> list[int]:
     )
 
 
+# Per tokenizer, the texts it tokenized last: a job that calibrates on a corpus and then learns on it cuts
+# windows of two lengths from one text, and tokenizes it once. Keyed by the text's digest and the tokenizer's
+# vocabulary size (adding tokens tokenizes anew); a tokenizer is forgotten with its last reference.
+_TOKENIZED: weakref.WeakKeyDictionary[Any, dict[tuple[int, bytes], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+_TOKENIZED_PER_TOKENIZER = 2
+
+
 def _token_ids(text: str, tokenizer: Any) -> torch.LongTensor:
-    """``text`` tokenized without special tokens, ``[T]``."""
+    """``text`` tokenized without special tokens, ``[T]`` (a fresh tensor the caller may change)."""
+    key = (len(tokenizer) if hasattr(tokenizer, "__len__") else -1, hashlib.sha256(text.encode()).digest())
     try:
-        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)
-    except TypeError:  # a tokenizer without the switch adds nothing
-        encoded = tokenizer(text, return_tensors="pt", verbose=False)
-    return encoded["input_ids"][0].long()
+        seen = _TOKENIZED.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: no memory of it
+        seen = {}
+    if key not in seen:
+        try:
+            encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)
+        except TypeError:  # a tokenizer without the switch adds nothing
+            encoded = tokenizer(text, return_tensors="pt", verbose=False)
+        while len(seen) >= _TOKENIZED_PER_TOKENIZER:
+            del seen[next(iter(seen))]
+        seen[key] = encoded["input_ids"][0].long()
+    return seen[key].clone()
 
 
 def tokenize_windows(

@@ -132,6 +132,74 @@ def test_embedded_splits_disjoint_and_deterministic(corpus, num_all):
         assert all(len(t) > 2000 for t in everything) and everything[0].startswith("'''Anarchism'''")
 
 
+def test_a_text_is_tokenized_once_per_tokenizer_and_its_windows_are_fresh_tensors():
+    """Calibration and learning windows of one corpus come from one tokenization; a changed text or vocabulary
+    tokenizes anew, and changing returned windows changes nothing a later call returns."""
+
+    class Counting(CharTokenizer):
+        def __init__(self):
+            self.calls, self.vocab = 0, 128
+
+        def __len__(self):
+            return self.vocab
+
+        def __call__(self, text, **kwargs):
+            self.calls += text != "Hello"  # not text_prefix_ids' probe
+            kwargs.pop("add_special_tokens", None)
+            return super().__call__(text, **kwargs)
+
+    tok, texts = Counting(), ["abcdefghij" * 10, "klmnop" * 10]
+    first = calibration_tokens(texts, tok, num_samples=3, seqlen=8)
+    windows = tokenize_windows(texts, tok, seqlen=5)
+    assert tok.calls == 1
+    assert windows.tolist() == tokenize_windows(texts, TOK, seqlen=5).tolist()  # as a fresh tokenization
+    windows.fill_(0)
+    assert (
+        calibration_tokens(texts, tok, num_samples=3, seqlen=8).tolist() == first.tolist() and tok.calls == 1
+    )
+    tokenize_windows(texts[:1], tok, seqlen=5)  # another text
+    tok.vocab += 1  # tokens added: the same text tokenizes anew
+    assert tokenize_windows(texts, tok, seqlen=5).tolist() == tokenize_windows(texts, TOK, seqlen=5).tolist()
+    assert tok.calls == 3
+    assert (
+        tokenize_windows(texts, Counting(), seqlen=5).tolist()
+        == tokenize_windows(texts, TOK, seqlen=5).tolist()
+    )
+
+
+def test_wikipedia_is_extracted_once_per_machine_and_a_bad_cache_is_rebuilt(tmp_path, monkeypatch):
+    """The articles extracted from gensim's dump are kept in the cache folder; the next process reads the
+    same articles from there, and a damaged or unwritable cache falls back to the extraction."""
+    from hf_maskllm import data
+
+    monkeypatch.setenv("HF_MASKLLM_CACHE", str(tmp_path / "cache"))
+    data._embedded_articles.cache_clear()
+    monkeypatch.setattr(
+        data, "_embedded_articles", data._embedded_articles.__wrapped__
+    )  # no in-process cache
+    extracted = data._embedded_articles("wikipedia")
+    cached = data._wiki_cache_file(data._gensim_test_data() / data._WIKI_FILE)
+    assert cached.parent == tmp_path / "cache" / "corpora"
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no temporary file left behind
+    assert json.loads(cached.read_text(encoding="utf-8")) == list(extracted) and len(extracted) == 100
+
+    calls = []
+    monkeypatch.setattr(data, "_extract_wiki", lambda source: calls.append(source) or extracted)
+    assert data._embedded_articles("wikipedia") == extracted and calls == []  # read from the cache
+
+    for damaged in (cached.read_text(encoding="utf-8")[:1000], "[]", '{"a": 1}', "[1, 2]"):
+        cached.write_text(damaged, encoding="utf-8")
+        assert data._embedded_articles("wikipedia") == extracted
+        assert json.loads(cached.read_text(encoding="utf-8")) == list(extracted)  # rewritten whole
+    assert len(calls) == 4
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("HF_MASKLLM_CACHE", str(blocked))  # a cache that cannot be written
+    assert data._embedded_articles("wikipedia") == extracted
+    assert blocked.read_text() == "not a folder"
+
+
 def _byte_tokenizer(bos: bool):
     """A real ``PreTrainedTokenizerFast`` (one token per byte), adding ``<bos>`` before every text or not."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors

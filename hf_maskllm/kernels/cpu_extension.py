@@ -35,17 +35,18 @@ __all__ = ["CPU_ISA_LEVELS", "cpu_isa", "cpu_kernels", "set_cpu_isa"]
 
 logger = logging.getLogger(__name__)
 
-# nm_linear.cpp holds the float kernels, nm_linear_quant.cpp the int8 / int4 N:M ones, int8_linear.cpp
-# the dense int8 layer, decode_attention.cpp the attention of decode steps, bindings.cpp the Python
-# module; common.h what the kernels share. The files compile in parallel (ninja).
+# bindings.cpp holds the Python module and the registered ops' kernels, nm_linear.cpp the float kernels,
+# nm_linear_quant.cpp the int8 / int4 N:M ones, int8_linear.cpp the dense int8 layer, decode_attention.cpp
+# the attention of decode steps; common.h what the kernels share. The files compile in parallel (ninja),
+# longest first: bindings.cpp parses pybind11 and torch's Python headers.
 SOURCES = tuple(
     Path(__file__).resolve().parent / "cpu" / name
     for name in (
-        "nm_linear.cpp",
-        "nm_linear_quant.cpp",
-        "int8_linear.cpp",
-        "decode_attention.cpp",
         "bindings.cpp",
+        "nm_linear_quant.cpp",
+        "nm_linear.cpp",
+        "decode_attention.cpp",
+        "int8_linear.cpp",
     )
 )
 HEADERS = (Path(__file__).resolve().parent / "cpu" / "common.h",)

@@ -1,7 +1,9 @@
-// The Python module of the CPU kernels: its functions, bound with pybind11. The kernels live in the other files
-// (common.h says which); this is the only file that includes pybind11 and torch's Python bindings.
+// The Python module of the CPU kernels: its functions, bound with pybind11, and the kernels of two registered torch
+// ops. The kernels live in the other files (common.h says which); this is the only file that includes pybind11,
+// torch's Python bindings and torch/library.h.
 
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -29,6 +31,14 @@ std::string int8_linear_route();
 // decode_attention.cpp: attention over the unmasked positions of a KV cache.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const std::optional<at::Tensor>& mask, double scale);
+
+// The kernels of the registered ops hf_maskllm::sparse_decode_q (schema and fake implementation in
+// hf_maskllm/kernels/route.py) and hf_maskllm::decode_attention (in hf_maskllm/kernels/attention.py): a compiled
+// decode step calls them without a Python frame.
+TORCH_LIBRARY_IMPL(hf_maskllm, CPU, lib) {
+  lib.impl("sparse_decode_q", &nm_linear_q);
+  lib.impl("decode_attention", &decode_attention);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The kernels touch no Python object: other Python threads run meanwhile.

@@ -4,13 +4,12 @@
 #pragma once
 
 // The ATen pieces the kernels use, not <torch/extension.h>: that header (pybind11 and the whole C++ API) takes
-// longer to parse than a kernel file takes to compile. Only bindings.cpp, the Python module, includes pybind11.
+// longer to parse than a kernel file takes to compile. Outputs are allocated through ATen/EmptyTensor.h (a third
+// of ATen/ops/empty.h's parse time). Only bindings.cpp, the Python module, includes pybind11 and torch/library.h.
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -91,6 +90,14 @@ inline void with_token_block(int64_t tb, Fn&& fn) {
 }
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// A new CPU tensor of `shape` with `options` (dtype), uninitialised; new_zeros fills it with zeros.
+inline at::Tensor new_empty(c10::IntArrayRef shape, const at::TensorOptions& options) {
+  return at::Tensor(at::detail::empty_cpu(shape, options));
+}
+inline at::Tensor new_zeros(c10::IntArrayRef shape, const at::TensorOptions& options) {
+  return new_empty(shape, options).zero_();
+}
 
 #if HF_MASKLLM_X86
 // 16 inputs times 127 / absmax to u8 = code + 128: the same float32 product and rounding as

@@ -200,7 +200,7 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& key_in
     mask = m.contiguous();
   }
   const int64_t Dv = value.size(3);
-  at::Tensor out = at::empty({B, Tq, H, Dv}, query.options());
+  at::Tensor out = new_empty({B, Tq, H, Dv}, query.options());
   if (out.numel() == 0) return out;
   switch (query.scalar_type()) {
     case at::kFloat: attention_impl<float>(query, key, value, mask, scale, out); break;
@@ -210,7 +210,3 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& key_in
   }
   return out;
 }
-
-// The kernel of the registered op hf_maskllm::decode_attention (schema and fake implementation in
-// hf_maskllm/kernels/attention.py): a compiled decode step calls it without a Python frame.
-TORCH_LIBRARY_IMPL(hf_maskllm, CPU, lib) { lib.impl("decode_attention", &decode_attention); }

@@ -216,10 +216,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   if (K == 0 || x.numel() == 0 || out == 0) {
-    at::Tensor y = at::zeros(shape, x.options());
+    at::Tensor y = new_zeros(shape, x.options());
     return has_bias ? y.add_(*bias) : y;
   }
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = new_empty(shape, x.options());
   const int64_t tokens = x.numel() / K;
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();

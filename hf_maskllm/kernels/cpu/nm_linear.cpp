@@ -497,10 +497,10 @@ at::Tensor nm_linear(const at::Tensor& x_in, const at::Tensor& values_in, const 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = values.size(0);
   if (K == 0 || x.numel() == 0 || values.size(0) == 0) {  // an empty sum: the bias alone, or zeros
-    at::Tensor y = at::zeros(shape, x.options());
+    at::Tensor y = new_zeros(shape, x.options());
     return has_bias ? y.add_(*bias) : y;
   }
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = new_empty(shape, x.options());
   const int64_t tokens = x.numel() / K;
   switch (x.scalar_type()) {
 #define HF_MASKLLM_LINEAR(scalar_t)                                                                    \

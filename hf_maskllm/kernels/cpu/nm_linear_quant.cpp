@@ -920,10 +920,10 @@ at::Tensor nm_linear_q(const at::Tensor& x_in, const at::Tensor& qvalues, const 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = qvalues.size(0);
   if (K == 0 || x.numel() == 0 || qvalues.size(0) == 0) {
-    at::Tensor y = at::zeros(shape, x.options());
+    at::Tensor y = new_zeros(shape, x.options());
     return has_bias ? y.add_(*bias) : y;
   }
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = new_empty(shape, x.options());
   const int64_t tokens = x.numel() / K;
   switch (x.scalar_type()) {
 #define HF_MASKLLM_LINEAR_Q(scalar_t)                                                                     \
@@ -964,7 +964,3 @@ std::string nm_linear_q_route(int64_t n, int64_t m, int64_t group_size) {
     default: return "scalar";
   }
 }
-
-// The kernel of the registered op hf_maskllm::sparse_decode_q (its schema and fake implementation are defined
-// in hf_maskllm/kernels/route.py): a compiled decode step calls nm_linear_q without a Python frame.
-TORCH_LIBRARY_IMPL(hf_maskllm, CPU, lib) { lib.impl("sparse_decode_q", &nm_linear_q); }
