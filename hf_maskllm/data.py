@@ -248,11 +248,14 @@ def text_prefix_ids(tokenizer: Any) -> list[int]:
 
 # Per tokenizer, the texts it tokenized last: a job that calibrates on a corpus and then learns on it cuts
 # windows of two lengths from one text, and tokenizes it once. Keyed by the text's digest and the tokenizer's
-# vocabulary size (adding tokens tokenizes anew); a tokenizer is forgotten with its last reference.
+# vocabulary size (adding tokens tokenizes anew); a tokenizer is forgotten with its last reference. Only texts
+# of up to _TOKENIZED_MAX_TOKENS tokens are kept (as int32: 16 MB at most each), so a large corpus holds no
+# memory after its windows are cut.
 _TOKENIZED: weakref.WeakKeyDictionary[Any, dict[tuple[int, bytes], torch.Tensor]] = (
     weakref.WeakKeyDictionary()
 )
 _TOKENIZED_PER_TOKENIZER = 2
+_TOKENIZED_MAX_TOKENS = 1 << 22
 
 
 def _token_ids(text: str, tokenizer: Any) -> torch.LongTensor:
@@ -262,15 +265,18 @@ def _token_ids(text: str, tokenizer: Any) -> torch.LongTensor:
         seen = _TOKENIZED.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: no memory of it
         seen = {}
-    if key not in seen:
-        try:
-            encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)
-        except TypeError:  # a tokenizer without the switch adds nothing
-            encoded = tokenizer(text, return_tensors="pt", verbose=False)
+    if key in seen:
+        return seen[key].long()
+    try:
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)
+    except TypeError:  # a tokenizer without the switch adds nothing
+        encoded = tokenizer(text, return_tensors="pt", verbose=False)
+    ids = encoded["input_ids"][0].long()
+    if ids.numel() <= _TOKENIZED_MAX_TOKENS and (ids.numel() == 0 or int(ids.max()) < 2**31):
         while len(seen) >= _TOKENIZED_PER_TOKENIZER:
             del seen[next(iter(seen))]
-        seen[key] = encoded["input_ids"][0].long()
-    return seen[key].clone()
+        seen[key] = ids.to(torch.int32)
+    return ids
 
 
 def tokenize_windows(
