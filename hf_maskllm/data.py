@@ -117,6 +117,8 @@ def _write_cached_articles(path: Path, articles: tuple[str, ...]) -> None:
 
 
 def _extract_wiki(source: Path) -> tuple[str, ...]:
+    """The articles of the dump ``source`` longer than ``MIN_WIKI_CHARS`` after ``filter_wiki``, runs of blank
+    lines collapsed, in file order. A change to this rule changes the ``-v1`` of :func:`_wiki_cache_file`."""
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
 
     articles = []

@@ -174,9 +174,8 @@ def test_wikipedia_is_extracted_once_per_machine_and_a_bad_cache_is_rebuilt(tmp_
 
     monkeypatch.setenv("HF_MASKLLM_CACHE", str(tmp_path / "cache"))
     data._embedded_articles.cache_clear()
-    monkeypatch.setattr(
-        data, "_embedded_articles", data._embedded_articles.__wrapped__
-    )  # no in-process cache
+    # every call below reads the cache folder: no in-process memory of the articles
+    monkeypatch.setattr(data, "_embedded_articles", data._embedded_articles.__wrapped__)
     extracted = data._embedded_articles("wikipedia")
     cached = data._wiki_cache_file(data._gensim_test_data() / data._WIKI_FILE)
     assert cached.parent == tmp_path / "cache" / "corpora"
