@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import datasets
 import pytest
 import torch
 from models import odd_net, single_thread, tiny_llama, tiny_opt  # noqa: F401  (single_thread: autouse)
-from sparse_helpers import merged_model, run_without_hf_maskllm
+from sparse_helpers import merged_model
 from test_data import CharTokenizer
 from transformers import AutoModelForCausalLM
 
@@ -536,30 +535,6 @@ def test_hub_file_that_does_not_exist(local_hub, tmp_path):
         load_mask(half_a_mask(tmp_path))
     assert re.search(rf"Hub repo 'user/half-a-mask' lacks \['{MASKS_NAME}'\]", str(info.value))
     assert re.search(r"push the mask again", str(info.value))
-
-
-def test_compressed_checkpoint_opened_without_hf_maskllm(tmp_path):
-    """Plain transformers refuses the folder before reading a weight (no random layers), and says what to do."""
-    folder = compressed(tmp_path / "c")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        from transformers import AutoModelForCausalLM
-        try:
-            AutoModelForCausalLM.from_pretrained({str(folder)!r})
-        except Exception as e:
-            print("ERROR:", type(e).__name__, e)
-        else:
-            print("LOADED")
-        assert "hf_maskllm" not in sys.modules
-        """
-    )
-    out = run_without_hf_maskllm(script, tmp_path).stdout
-    assert "ERROR: ValueError" in out, out
-    assert "stores N:M-compressed weights" in out, out  # the problem
-    assert "Run `pip install hf_maskllm` and `import hf_maskllm` before from_pretrained" in out, (
-        out
-    )  # the fix
 
 
 # ---------------------------------------------------------------------------------------------- timed (slow only)

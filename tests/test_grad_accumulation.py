@@ -108,25 +108,32 @@ def ddp_relative_error(objective: str = "lm") -> tuple[float, str]:
     return _check(accumulated, exact, magnitude, 2 * MICRO), str(next(iter(accumulated.values())).dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
-def test_ddp_two_ranks_accumulation_matches_a_float64_sum(tmp_path, objective):
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> dict[str, dict]:
+    """One torchrun launch (2 ranks, gloo) that accumulates every objective in turn: {objective: result}."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
+    out = tmp_path_factory.mktemp("ddp-accumulation") / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     result = subprocess.run(
-        [*cmd, str(here / "ddp_grad_accumulation.py"), str(tmp_path / "out.json"), objective],
+        [*cmd, str(here / "ddp_grad_accumulation.py"), str(out), *sorted(OBJECTIVES)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    out = json.loads((tmp_path / "out.json").read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_ddp_two_ranks_accumulation_matches_a_float64_sum(ddp_results, objective):
+    out = ddp_results[objective]
     assert out["dtype"] == "torch.bfloat16"
     assert 0 < out["rel"] < 0.01

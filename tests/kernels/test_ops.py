@@ -288,7 +288,8 @@ def build(fn, dtype, words, constexprs, extra=None, desc_block=None, **options):
                   "X_DESC": bool(desc_block), "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     src = ASTSource(fn, {**sig, **(extra or {}), **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-for dtype, words in (("bf16", True), ("fp16", True), ("bf16", False), ("fp32", False)):
+# fp16 words take the bf16 words' code path with the other 16-bit type (the interpreter tests run both)
+for dtype, words in (("bf16", True), ("bf16", False), ("fp32", False)):
     for bn, bk, w, even in ((16, 256, 2, True), (128, 128, 4, False)):
         for desc in (None, (16, bk)):
             ptx = build(nm24_decode_kernel, dtype, words,
@@ -320,7 +321,7 @@ print("compiled")
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    """Compile all three kernels (bf16/fp16 words, select path, fp32) to sm_90 PTX without a GPU."""
+    """Compile all three kernels (bf16 words, select path, fp32) to sm_90 PTX without a GPU."""
     import subprocess
     import sys
 

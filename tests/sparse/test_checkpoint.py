@@ -216,8 +216,11 @@ def test_without_hf_maskllm_fails_loudly_and_dense_loads(tmp_path):
         assert "hf_maskllm" not in sys.modules
         """
     )
-    out = run_without_hf_maskllm(script, tmp_path)
-    assert "COMPRESSED-ERROR: ValueError" in out.stdout and "import hf_maskllm" in out.stdout, out.stdout
+    out = run_without_hf_maskllm(script, tmp_path).stdout
+    # refused before a weight is read (no random layers), naming the problem and the fix
+    assert "COMPRESSED-ERROR: ValueError" in out, out
+    assert "stores N:M-compressed weights" in out, out
+    assert "Run `pip install hf_maskllm` and `import hf_maskllm` before from_pretrained" in out, out
     logits = load_file(tmp_path / "logits.safetensors")["logits"]
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
 
