@@ -56,13 +56,17 @@ _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}
 
 
 def _build_directory() -> Path:
-    """One folder per torch version, Python version, machine type and sources (a changed source builds anew)."""
+    """One folder per torch installation (version and location), Python version, machine type and sources (a
+    changed source builds anew). Two environments with the same torch version compile against their own copies
+    of its headers: in one folder, each switch between them would rebuild the library."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     source = digest.hexdigest()[:12]
+    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
     tag = (
-        f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{source}"
+        f"torch{torch.__version__}-{where}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+        f"-{source}"
     )
     return cache_root() / "torch_extensions" / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 

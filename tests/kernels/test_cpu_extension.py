@@ -92,3 +92,19 @@ def test_stale_build_lock_is_removed(tmp_path, monkeypatch):
     os.utime(lock, (0, 0))
     cpu_extension._remove_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_each_torch_installation_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two environments with the same torch version compile against their own headers: one folder each, so
+    switching between them loads their own library instead of rebuilding a shared one."""
+    import torch
+
+    from hf_maskllm.kernels import cpu_extension
+
+    monkeypatch.setenv("HF_MASKLLM_CACHE", str(tmp_path))
+    here = cpu_extension._build_directory()
+    assert here == cpu_extension._build_directory() and here.parent == tmp_path / "torch_extensions"
+    assert here.name.startswith(f"torch{torch.__version__}".replace("+", "_"))
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-env" / "torch" / "__init__.py"))
+    elsewhere = cpu_extension._build_directory()
+    assert elsewhere != here and elsewhere.name.split("-")[0] == here.name.split("-")[0]
