@@ -31,9 +31,14 @@ KERNEL_FLAGS = (
 
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), []
+    """The CPU's name (with its family and model number where /proc/cpuinfo gives them: virtual machines
+    often name a whole line of CPUs, such as "AMD EPYC") and the kernel-relevant flags it has."""
+    model, flags, numbers = platform.processor() or platform.machine(), [], {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = line.split(":", 1)[1].strip()
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
@@ -41,6 +46,8 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
                 flags = [flag for flag in KERNEL_FLAGS if flag in present]
     except OSError:
         pass
+    if len(numbers) == 2:
+        model += f" (family {numbers['cpu family']}, model {numbers['model']})"
     return model, flags
 
 

@@ -23,11 +23,12 @@
 //       reduced four at a time in _mm512_reduce_add_ps's order (the same bits as alone); 2-4 tokens: short
 //       rows run two side by side.
 //     - AVX2 ("avx2_q8", where the route above does not apply), 2:4, group_size 8, 16 or a multiple of 32:
-//       the inputs rounded as above. Per step of 32 kept values (64 inputs, 8 meta bytes): vpshufb + a
-//       shift, a blend and a 16-entry vpshufb table turn the meta into 32 byte indices, two vpshufb and a
-//       vpblendd gather the inputs (laid out once per call so that each 128-bit lane finds its 32 inputs in
-//       two registers), vpmaddubsw (|w| by the inputs carrying w's sign) and vpmaddwd sum four products per
-//       int32 lane, then float32 times (weight scale x input scale).
+//       the inputs rounded as above. Per step of 32 kept values (64 inputs, 8 meta bytes): the meta becomes
+//       32 byte indices (int8, and int4 with group size 8: in order, by vpshufb + a shift, a blend and a
+//       16-entry vpshufb table; other int4: by field, one variable shift, an AND and an OR), two vpshufb and
+//       a vpblendd gather the inputs (laid out once per call so that each 128-bit lane finds its 32
+//       inputs in two registers), vpmaddubsw (|w| by the inputs carrying w's sign) and vpmaddwd sum four
+//       products per int32 lane, then float32 times (weight scale x input scale).
 //     - AVX2 float32 (other group sizes that are multiples of 8), 2:4: the inputs stay in float32; 8 codes
 //       are widened, scaled, and meet the inputs picked by two vpermps and a blend in an FMA.
 //     - Scalar: any N:M, any group size: exact float32 arithmetic, not fast.
@@ -154,13 +155,25 @@ TARGET_AVX2 void row24q_avx2(const uint8_t* q, const c10::Half* s, const uint8_t
 }
 
 // ------------------------------------------------------------------------------------------------
-// AVX2 route with 8-bit inputs, 2:4: 32 kept values (64 inputs, 8 meta bytes) per step, in their order:
-// bytes 0-15 (128-bit lane 0) kept 0-15, inputs 0-31; bytes 16-31 kept 16-31, inputs 32-63.
+// AVX2 route with 8-bit inputs, 2:4: 32 kept values (64 inputs, 8 meta bytes) per step, in one of two orders
+// within the register:
 //
-// Inputs per token (quantize32_s8, one scale per 32 inputs): xl int8 [T, Kp], each 64 inputs stored as
-// [0-15 | 32-47 | 16-31 | 48-63], so that one 32-byte load gives each lane its first 16 inputs and the next
-// load its last 16 (vpshufb looks up within a 128-bit lane); xsl float32 [T, Kp / 64, 8]: lanes 0-3 the scale
-// of inputs 0-31, lanes 4-7 of inputs 32-63.
+//   kInOrder:  byte k = kept value k: bytes 0-15 (128-bit lane 0) kept 0-15, inputs 0-31; bytes 16-31 kept
+//              16-31, inputs 32-63. int32 lane d holds kept values 4d .. 4d + 3.
+//   kByField:  byte 8f + i (qword f, byte i) = kept value 4i + f, the field f of meta byte i: lane 0 (fields 0,
+//              1) holds the kept values of the step's even groups of 4 inputs, lane 1 those of its odd groups.
+//              int32 lane d holds kept values 4i + d / 2 for i = 4 (d % 2) .. + 3, all within kept values
+//              16 (d % 2) .. + 15 and inputs 32 (d % 2) .. + 31. The meta decodes in four instructions (no
+//              vpshufb), and int4 codes unpack with one vpshufb: int4 with group size 16 or a multiple of 32.
+//
+// Inputs per token (quantize32_s8, one scale per 32 inputs): xl int8 [T, Kp], each 64 inputs stored so that
+// one 32-byte load gives each lane its first 16 candidate inputs and the next load its last 16 (vpshufb looks
+// up within a 128-bit lane): kInOrder [0-15 | 32-47 | 16-31 | 48-63]; kByField [groups 0, 2, 4, 6 | 1, 3, 5, 7 |
+// 8, 10, 12, 14 | 9, 11, 13, 15] (4 inputs each). xsl float32 [T, Kp / 64, 8]: each int32 lane's input scale,
+// kInOrder (s0 x 4, s1 x 4), kByField (s0, s1) x 4, where s0 scales inputs 0-31 and s1 inputs 32-63.
+enum Avx2qOrder : int { kInOrder = 0, kByField = 1 };
+
+template <int ORDER>
 TARGET_AVX2 void quantize_inputs_avx2(const float* xf, int64_t tokens, int64_t K, int64_t Kp, int8_t* xl, float* xsl) {
   alignas(32) int8_t codes[64];
   for (int64_t t = 0; t < tokens; ++t) {
@@ -168,110 +181,176 @@ TARGET_AVX2 void quantize_inputs_avx2(const float* xf, int64_t tokens, int64_t K
       const float s0 = quantize32_s8(xf + t * K + c0, K - c0, codes);
       const float s1 = quantize32_s8(xf + t * K + c0 + 32, K - c0 - 32, codes + 32);
       int8_t* dst = xl + t * Kp + c0;
-      std::memcpy(dst, codes, 16);
-      std::memcpy(dst + 16, codes + 32, 16);
-      std::memcpy(dst + 32, codes + 16, 16);
-      std::memcpy(dst + 48, codes + 48, 16);
       float* sc = xsl + t * (Kp / 8) + c0 / 8;
-      for (int l = 0; l < 4; ++l) sc[l] = s0;
-      for (int l = 4; l < 8; ++l) sc[l] = s1;
+      if constexpr (ORDER == kInOrder) {
+        std::memcpy(dst, codes, 16);
+        std::memcpy(dst + 16, codes + 32, 16);
+        std::memcpy(dst + 32, codes + 16, 16);
+        std::memcpy(dst + 48, codes + 48, 16);
+        for (int l = 0; l < 8; ++l) sc[l] = l < 4 ? s0 : s1;
+      } else {
+        for (int slot = 0; slot < 16; ++slot) {  // 4 bytes of dst each: one group's inputs
+          const int lane = (slot / 4) % 2, half = slot / 8;
+          const int group = 8 * half + 2 * (slot % 4) + lane;
+          std::memcpy(dst + 4 * slot, codes + 4 * group, 4);
+        }
+        for (int l = 0; l < 8; ++l) sc[l] = l % 2 ? s1 : s0;
+      }
     }
   }
 }
 
-// The layout's constants (see avx2q_step).
+// The constants of both orders (see avx2q_indices and avx2q_codes).
 struct Avx2qLayout {
-  __m256i rep, hi_sel, field, lut, base;
+  __m256i rep, hi_sel, field, lut, base;  // kInOrder
+  __m256i base_f, pick_f;                 // kByField: 4 x the group within the lane's 16 inputs; int4 byte picks
   TARGET_AVX2 Avx2qLayout() {
-    alignas(32) int8_t r[32], h[32], f[32], lu[32], b[32];
+    alignas(32) int8_t r[32], h[32], f[32], lu[32], b[32], bf[32], pf[32];
     for (int k = 0; k < 32; ++k) {
       r[k] = static_cast<int8_t>(k / 4);  // the meta byte of kept value k (within the lane's copy of the 8)
       h[k] = static_cast<int8_t>(k % 4 >= 2 ? 0x80 : 0);  // fields 2, 3: from the high nibble
       f[k] = static_cast<int8_t>(k % 2 ? 0x0C : 0x03);    // the field's two bits within the nibble
       lu[k] = static_cast<int8_t>((k % 16) < 4 ? (k % 16) : (k % 16) >> 2);  // {0..3} or {0, 4, 8, 12} -> 0..3
       b[k] = static_cast<int8_t>(4 * ((k % 8) / 2));  // 4 x the group within the lane's 16 inputs
+      bf[k] = static_cast<int8_t>(4 * (k % 4));       // byte 8f + i: group 2i + f / 2, its 4 inputs at 4 (i % 4)
+      pf[k] = static_cast<int8_t>(2 * (k % 8) + k / 16);  // lane 0: packed bytes 2i, lane 1: 2i + 1
     }
     rep = _mm256_load_si256(reinterpret_cast<const __m256i*>(r));
     hi_sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(h));
     field = _mm256_load_si256(reinterpret_cast<const __m256i*>(f));
     lut = _mm256_load_si256(reinterpret_cast<const __m256i*>(lu));
     base = _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+    base_f = _mm256_load_si256(reinterpret_cast<const __m256i*>(bf));
+    pick_f = _mm256_load_si256(reinterpret_cast<const __m256i*>(pf));
   }
 };
 
-// The codes of 32 kept values, in order (q: their codes; int4: 16 bytes, low nibble first).
-template <int BITS>
-TARGET_AVX2 inline __m256i avx2q_codes(const uint8_t* q) {
+// The codes of 32 kept values in ORDER (q: their codes; int4: 16 bytes, low nibble first).
+template <int BITS, int ORDER>
+TARGET_AVX2 inline __m256i avx2q_codes(const uint8_t* q, const Avx2qLayout& L) {
+  const __m256i low = _mm256_set1_epi8(15);
   if constexpr (BITS == 8) {
+    static_assert(ORDER == kInOrder, "int8 codes are read in order");
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  } else {
+  } else if constexpr (ORDER == kInOrder) {
     // qwords [0, 0, 1, 1]: each lane's low 8 bytes are its 16 codes, interleaved low / high nibble by vpunpcklbw
     const __m256i p =
         _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 0x50);
-    const __m256i low = _mm256_set1_epi8(15);
     const __m256i n = _mm256_unpacklo_epi8(_mm256_and_si256(p, low), _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
+    return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+  } else {
+    // kept 4i + f sits in packed byte 2i + f / 2, nibble f % 2: qword f gets the even (lane 0) or odd (lane 1)
+    // packed bytes, and qwords 1 and 3 shift by 4 to their high nibbles
+    const __m256i p =
+        _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), L.pick_f);
+    const __m256i n = _mm256_and_si256(_mm256_srlv_epi64(p, _mm256_setr_epi64x(0, 4, 0, 4)), low);
     return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
   }
 }
 
-// One step (32 kept values) against TB tokens: `aw` = |codes|, `w` the codes, meta its 8 meta bytes, sw the
-// weight scale of each int32 lane (lane d: kept values 4d .. 4d + 3), xl / xsl the step's inputs and scales.
-template <int TB>
-TARGET_AVX2 inline void avx2q_step(__m256* acc, const __m256i aw, const __m256i w, const uint8_t* meta, const __m256 sw,
-                                   const int8_t* xl, const float* xsl, int64_t Kp, int64_t xs_stride,
-                                   const Avx2qLayout& L) {
-  // byte indices: kept value k's meta byte (k / 4) to byte k, its two bits (the nibble by a shift, the field by
-  // a mask, then a 16-entry table), plus 4 x its group
+// The 32 byte indices (within each lane's 16 candidate inputs, plus 16 for the second load's) of a step's kept
+// values in ORDER, from its 8 meta bytes.
+template <int ORDER>
+TARGET_AVX2 inline __m256i avx2q_indices(const uint8_t* meta, const Avx2qLayout& L) {
   long long mw;
   std::memcpy(&mw, meta, 8);
-  const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi64x(mw), L.rep);
-  const __m256i nib = _mm256_blendv_epi8(rep, _mm256_srli_epi16(rep, 4), L.hi_sel);
-  const __m256i idx = _mm256_or_si256(_mm256_shuffle_epi8(L.lut, _mm256_and_si256(nib, L.field)), L.base);
+  if constexpr (ORDER == kInOrder) {
+    // kept value k's meta byte (k / 4) to byte k, its two bits (the nibble by a shift, the field by a mask,
+    // then a 16-entry table), plus 4 x its group
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi64x(mw), L.rep);
+    const __m256i nib = _mm256_blendv_epi8(rep, _mm256_srli_epi16(rep, 4), L.hi_sel);
+    return _mm256_or_si256(_mm256_shuffle_epi8(L.lut, _mm256_and_si256(nib, L.field)), L.base);
+  } else {
+    // qword f shifted right by 2f: byte i holds field f of meta byte i in its low two bits
+    const __m256i fields = _mm256_srlv_epi64(_mm256_set1_epi64x(mw), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_or_si256(_mm256_and_si256(fields, _mm256_set1_epi8(3)), L.base_f);
+  }
+}
+
+// One step (32 kept values, in ORDER) against TB tokens: `aw` = |codes|, `w` the codes, idx their inputs'
+// byte indices, sw the weight scale of each int32 lane, xl / xsl the step's inputs and scales.
+template <int TB, int ORDER>
+TARGET_AVX2 inline void avx2q_step(__m256* acc, const __m256i aw, const __m256i w, const __m256i idx, const __m256 sw,
+                                   const int8_t* xl, const float* xsl, int64_t Kp, int64_t xs_stride) {
+  // the second load's inputs: kInOrder kept 8-15 and 24-31 (dwords 2, 3, 6, 7), kByField bytes 4-7 of each qword
+  constexpr int kSecond = ORDER == kInOrder ? 0xCC : 0xAA;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int t = 0; t < TB; ++t) {
     const int8_t* x = xl + t * Kp;
     const __m256i g = _mm256_blend_epi32(
         _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), idx),
-        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)), idx), 0xCC);
+        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)), idx), kSecond);
     // |w| x (g with w's sign): 2 x 128 x 127 at most per 16-bit pair, no saturation
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(g, w)), ones);
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(xsl + t * xs_stride)), acc[t]);
   }
 }
 
-// The weight scales of a step's 8 int32 lanes (s: the step's first scale; GS 8, 16, or 0 for a multiple of 32).
-template <int GS>
+// The weight scales of a step's 8 int32 lanes in ORDER (s: the step's first scale; GS 8, 16, or 0 for a
+// multiple of 32; kByField takes 16 or 0).
+template <int GS, int ORDER>
 TARGET_AVX2 inline __m256 avx2q_scales(const c10::Half* s) {
   if constexpr (GS == 0) {
-    uint16_t h;
+    short h;
     std::memcpy(&h, s, 2);
-    return _mm256_set1_ps(_cvtsh_ss(h));
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
   } else if constexpr (GS == 16) {
     uint32_t two;
     std::memcpy(&two, s, 4);
     const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    const __m256i lanes = ORDER == kInOrder ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                                            : _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), lanes);
   } else {
+    static_assert(ORDER == kInOrder, "group size 8 takes the in-order layout");
     const __m128 f = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
   }
 }
 
 // One row against TB tokens (kept: a multiple of 8; the last step may hold fewer than 32 kept values: its codes,
-// meta and scales are read through zero-filled copies, and zero codes add nothing).
-template <int TB, int BITS, int GS>
-TARGET_AVX2 void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept, int64_t gs,
-                              const int8_t* xl, const float* xsl, int64_t Kp, float* acc_out) {
-  static const Avx2qLayout layout;
-  __m256 acc[2][TB];  // even and odd steps: two chains of FMAs
-  for (int t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+// meta and scales are read through zero-filled copies, and zero codes add nothing). Even and odd steps add into
+// two sets of accumulators (two chains of FMAs), summed at the end. The step's scales advance by a pointer: a
+// division per step (kept value / group size) cost more than the rest of the step.
+template <int TB, int BITS, int GS, int ORDER>
+TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
+                                     int64_t gs, const int8_t* xl, const float* xsl, int64_t Kp,
+                                     const Avx2qLayout& layout, float* acc_out) {
+  __m256 even[TB], odd[TB];
+  for (int t = 0; t < TB; ++t) even[t] = odd[t] = _mm256_setzero_ps();
   const int64_t xs_stride = Kp / 8;
   constexpr int64_t kBytes = BITS * 4;  // code bytes per step
   const int64_t full = kept / 32;
-  for (int64_t st = 0; st < full; ++st) {
-    const __m256i w = avx2q_codes<BITS>(q + st * kBytes);
-    avx2q_step<TB>(acc[st & 1], _mm256_abs_epi8(w), w, meta_row + 8 * st, avx2q_scales<GS>(s + 32 * st / gs),
-                   xl + 64 * st, xsl + 8 * st, Kp, xs_stride, layout);
+  // GS 0 (a multiple of 32): one scale per steps_per_scale steps; GS 8, 16: 32 / GS scales per step
+  const int64_t steps_per_scale = GS == 0 ? gs / 32 : 1;
+  const c10::Half* sc = s;  // the current step's first scale
+  int64_t left = steps_per_scale;
+  const auto next_scale = [&]() TARGET_AVX2 {
+    if constexpr (GS == 0) {
+      if (--left == 0) {
+        ++sc;
+        left = steps_per_scale;
+      }
+    } else {
+      sc += 32 / GS;
+    }
+  };
+  const auto step = [&](const uint8_t* codes, const uint8_t* meta, const c10::Half* scales, int64_t st,
+                        __m256* acc) TARGET_AVX2 {
+    const __m256i w = avx2q_codes<BITS, ORDER>(codes, layout);
+    avx2q_step<TB, ORDER>(acc, _mm256_abs_epi8(w), w, avx2q_indices<ORDER>(meta, layout),
+                          avx2q_scales<GS, ORDER>(scales), xl + 64 * st, xsl + 8 * st, Kp, xs_stride);
+  };
+  int64_t st = 0;
+  for (; st + 2 <= full; st += 2) {
+    step(q + st * kBytes, meta_row + 8 * st, sc, st, even);
+    next_scale();
+    step(q + (st + 1) * kBytes, meta_row + 8 * (st + 1), sc, st + 1, odd);
+    next_scale();
+  }
+  if (st < full) {
+    step(q + st * kBytes, meta_row + 8 * st, sc, st, even);
+    next_scale();
   }
   const int64_t rest = kept - 32 * full;
   if (rest) {
@@ -280,12 +359,43 @@ TARGET_AVX2 void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_
     c10::Half st_scales[4] = {};
     std::memcpy(qt, q + full * kBytes, rest * BITS / 8);
     std::memcpy(mt, meta_row + 8 * full, rest / 4);
-    std::memcpy(st_scales, s + 32 * full / gs, (GS == 0 ? 1 : rest / GS) * sizeof(c10::Half));
-    const __m256i w = avx2q_codes<BITS>(qt);
-    avx2q_step<TB>(acc[full & 1], _mm256_abs_epi8(w), w, mt, avx2q_scales<GS>(st_scales), xl + 64 * full,
-                   xsl + 8 * full, Kp, xs_stride, layout);
+    std::memcpy(st_scales, sc, (GS == 0 ? 1 : rest / GS) * sizeof(c10::Half));
+    step(qt, mt, st_scales, full, full % 2 ? odd : even);
   }
-  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t]));
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(even[t], odd[t]));
+}
+
+// One row against TB tokens (2 to 4; a pass of its own per row).
+template <int TB, int BITS, int GS, int ORDER>
+TARGET_AVX2 void rows24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
+                               int64_t gs, const int8_t* xl, const float* xsl, int64_t Kp, float* acc_out) {
+  static const Avx2qLayout layout;
+  row24q_avx2q<TB, BITS, GS, ORDER>(q, s, meta_row, kept, gs, xl, xsl, Kp, layout, acc_out);
+}
+
+// One token, `rows` consecutive rows one after another in one call (no call per row; the layout's constants
+// stay in registers), each summed as alone: sums[0, rows).
+template <int BITS, int GS, int ORDER>
+TARGET_AVX2 void range24q_avx2q(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
+                                const uint8_t* meta, int64_t meta_stride, int64_t rows, int64_t kept, int64_t gs,
+                                const int8_t* xl, const float* xsl, int64_t Kp, float* sums) {
+  static const Avx2qLayout layout;
+  const Avx2qLayout local = layout;
+  for (int64_t r = 0; r < rows; ++r)
+    row24q_avx2q<1, BITS, GS, ORDER>(q + r * q_stride, s + r * s_stride, meta + r * meta_stride, kept, gs, xl, xsl, Kp,
+                                     local, sums + r);
+}
+
+// f(GS, ORDER) for an avx2_q8 layer: GS 8, 16, or 0 for a multiple of 32; ORDER by field for int4 with group size
+// 16 or a multiple of 32 (fewer shuffles), in order otherwise (int8 codes load in order; group size 8 would put
+// two groups in a by-field int32 lane).
+template <typename F>
+void with_avx2q_layout(int bits, int64_t gs, F&& f) {
+  if (gs == 8) f(std::integral_constant<int, 8>{}, std::integral_constant<int, kInOrder>{});
+  else if (gs == 16 && bits == 4) f(std::integral_constant<int, 16>{}, std::integral_constant<int, kByField>{});
+  else if (gs == 16) f(std::integral_constant<int, 16>{}, std::integral_constant<int, kInOrder>{});
+  else if (bits == 4) f(std::integral_constant<int, 0>{}, std::integral_constant<int, kByField>{});
+  else f(std::integral_constant<int, 0>{}, std::integral_constant<int, kInOrder>{});
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -642,7 +752,9 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
     Kp = round_up(K, 64) + 64;
     xl.resize(tokens * Kp);
     xs.resize(tokens * (Kp / 8));
-    quantize_inputs_avx2(xf, tokens, K, Kp, xl.data(), xs.data());
+    with_avx2q_layout(bits, gs, [&](auto, auto order) {
+      quantize_inputs_avx2<decltype(order)::value>(xf, tokens, K, Kp, xl.data(), xs.data());
+    });
   } else if (route == kRouteVnni) {
     Kp = round_up(K, 128) + 64;
     xu.resize(tokens * Kp);
@@ -679,6 +791,25 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
           else
             partial ? pass(std::integral_constant<int, 4>{}, std::true_type{})
                     : pass(std::integral_constant<int, 4>{}, std::false_type{});
+        });
+        for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = from_float<T>(sums[i] + (bp ? to_float(bp[r0 + i]) : 0.f));
+      }
+      return;
+    }
+    if (route == kRouteAvx2q && tokens == 1) {  // decode of one token: the thread's rows in one pass
+      constexpr int64_t kChunk = 256;
+      float sums[kChunk];
+      for (int64_t r0 = begin; r0 < end; r0 += kChunk) {
+        const int64_t rows = std::min<int64_t>(kChunk, end - r0);
+        with_avx2q_layout(bits, gs, [&](auto group, auto order) {
+          constexpr int GS = decltype(group)::value, ORDER = decltype(order)::value;
+          const auto pass = [&](auto bits_c) {
+            range24q_avx2q<decltype(bits_c)::value, GS, ORDER>(qp + r0 * q_stride, q_stride, sp + r0 * s_stride,
+                                                               s_stride, mp + r0 * meta_stride, meta_stride, rows,
+                                                               kept, gs, xl.data(), xs.data(), Kp, sums);
+          };
+          if (bits == 4) pass(std::integral_constant<int, 4>{});
+          else if constexpr (ORDER == kInOrder) pass(std::integral_constant<int, 8>{});
         });
         for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = from_float<T>(sums[i] + (bp ? to_float(bp[r0 + i]) : 0.f));
       }
@@ -726,14 +857,14 @@ void linear_q_impl(const T* xp, int64_t tokens, int64_t K, const at::Tensor& qva
             if constexpr (TB <= kAvx2TokenBlock) {
               const int8_t* xr = xl.data() + t0 * Kp;
               const float* xsr = xs.data() + t0 * (Kp / 8);
-              const auto pass = [&](auto group) {
-                constexpr int GS = decltype(group)::value;
-                if (bits == 8) row24q_avx2q<TB, 8, GS>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
-                else row24q_avx2q<TB, 4, GS>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
-              };
-              if (gs == 8) pass(std::integral_constant<int, 8>{});
-              else if (gs == 16) pass(std::integral_constant<int, 16>{});
-              else pass(std::integral_constant<int, 0>{});
+              with_avx2q_layout(bits, gs, [&](auto group, auto order) {
+                constexpr int GS = decltype(group)::value, ORDER = decltype(order)::value;
+                if (bits == 8) {
+                  if constexpr (ORDER == kInOrder) rows24q_avx2q<TB, 8, GS, ORDER>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+                } else {
+                  rows24q_avx2q<TB, 4, GS, ORDER>(q, s, meta_row, kept, gs, xr, xsr, Kp, acc);
+                }
+              });
             }
           } else if constexpr (TB <= kAvx2TokenBlock) {
             const float* xr = xpad.data() + t0 * Kp;
