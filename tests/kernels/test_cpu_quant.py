@@ -89,7 +89,8 @@ def test_decode_2of4_every_route(isa, bits, gs, dtype):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
-    "n,m,gs", [(2, 4, 2), (2, 4, 6), (2, 4, 24), (2, 4, 96), (2, 4, 128), (1, 4, 4), (4, 8, 8), (3, 8, 6), (1, 2, 2)]
+    "n,m,gs",
+    [(2, 4, 2), (2, 4, 6), (2, 4, 24), (2, 4, 96), (2, 4, 128), (1, 4, 4), (4, 8, 8), (3, 8, 6), (1, 2, 2)],
 )
 def test_decode_other_patterns_and_group_sizes(isa, bits, n, m, gs):
     route = EXT.nm_linear_q_route(n, m, gs)
