@@ -310,8 +310,8 @@ TARGET_AVX2 inline __m256 avx2q_scales(const c10::Half* s) {
 
 // One row against TB tokens (kept: a multiple of 8; the last step may hold fewer than 32 kept values: its codes,
 // meta and scales are read through zero-filled copies, and zero codes add nothing). Even and odd steps add into
-// two sets of accumulators (two chains of FMAs), summed at the end. The step's scales advance by a pointer: a
-// division per step (kept value / group size) cost more than the rest of the step.
+// two sets of accumulators (two chains of FMAs, held in registers), summed at the end; the step's scales advance
+// by a pointer (no division per step).
 template <int TB, int BITS, int GS, int ORDER>
 TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
                                      int64_t gs, const int8_t* xl, const float* xsl, int64_t Kp,
@@ -365,7 +365,7 @@ TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const
   for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(even[t], odd[t]));
 }
 
-// One row against TB tokens (2 to 4; a pass of its own per row).
+// One row against TB tokens (passes of several tokens: one call per row and up to 4 tokens).
 template <int TB, int BITS, int GS, int ORDER>
 TARGET_AVX2 void rows24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
                                int64_t gs, const int8_t* xl, const float* xsl, int64_t Kp, float* acc_out) {
@@ -373,8 +373,8 @@ TARGET_AVX2 void rows24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8
   row24q_avx2q<TB, BITS, GS, ORDER>(q, s, meta_row, kept, gs, xl, xsl, Kp, layout, acc_out);
 }
 
-// One token, `rows` consecutive rows one after another in one call (no call per row; the layout's constants
-// stay in registers), each summed as alone: sums[0, rows).
+// One token, `rows` consecutive rows one after another in one call (no call per row, the layout's constants
+// loaded once), each summed as alone (the same bits as rows24q_avx2q): sums[0, rows).
 template <int BITS, int GS, int ORDER>
 TARGET_AVX2 void range24q_avx2q(const uint8_t* q, int64_t q_stride, const c10::Half* s, int64_t s_stride,
                                 const uint8_t* meta, int64_t meta_stride, int64_t rows, int64_t kept, int64_t gs,
