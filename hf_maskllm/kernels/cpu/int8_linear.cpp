@@ -68,30 +68,39 @@ TARGET_AVX2 void quantize_inputs_avx2(const float* xf, int64_t tokens, int64_t K
       xs[t * (Kp / 32) + c0 / 32] = quantize32_s8(xf + t * K + c0, K - c0, xc + t * Kp + c0);
 }
 
+// One step of 32 codes against TB tokens' inputs, into acc.
+template <int TB>
+TARGET_AVX2 inline void step_avx2q(__m256* acc, const __m256i w, const int8_t* xc, const float* xs, int64_t Kp,
+                                   int64_t k) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i aw = _mm256_abs_epi8(w);
+  for (int t = 0; t < TB; ++t) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + t * Kp + k));
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(xs + t * (Kp / 32) + k / 32), acc[t]);
+  }
+}
+
+// One row against TB tokens: even and odd steps of 32 codes add into two sets of accumulators (two chains of
+// FMAs, held in registers), summed at the end; the row's tail reads zero codes past it.
 template <int TB>
 TARGET_AVX2 void row_avx2q(const int8_t* q, int64_t K, const int8_t* xc, const float* xs, int64_t Kp,
                            float* acc_out) {
-  __m256 acc[2][TB];  // even and odd blocks of 32: two chains of FMAs
-  for (int t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t k = 0; k < K; k += 32) {
-    __m256* a = acc[(k >> 5) & 1];
-    __m256i w;
-    if (K - k >= 32) {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
-    } else {  // the row's tail: zero codes past it
-      alignas(32) int8_t tail[32] = {};
-      std::memcpy(tail, q + k, K - k);
-      w = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-    }
-    const __m256i aw = _mm256_abs_epi8(w);
-    for (int t = 0; t < TB; ++t) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + t * Kp + k));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-      a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(xs + t * (Kp / 32) + k / 32), a[t]);
-    }
+  __m256 even[TB], odd[TB];
+  for (int t = 0; t < TB; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    step_avx2q<TB>(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)), xc, xs, Kp, k);
+    step_avx2q<TB>(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + 32)), xc, xs, Kp, k + 32);
   }
-  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t]));
+  for (; k < K; k += 32) {  // at most two steps, the last one possibly partial
+    alignas(32) int8_t tail[32] = {};
+    std::memcpy(tail, q + k, std::min<int64_t>(32, K - k));
+    const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+    if ((k >> 5) & 1) step_avx2q<TB>(odd, w, xc, xs, Kp, k);
+    else step_avx2q<TB>(even, w, xc, xs, Kp, k);
+  }
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(even[t], odd[t]));
 }
 
 // Inputs per token and 32 inputs (quantize32_u8): xu uint8 [T, Kp] (code + 128), xs float32 [T, Kp / 64, 16]

@@ -28,7 +28,8 @@
 //       16-entry vpshufb table; other int4: by field, one variable shift, an AND and an OR), two vpshufb and
 //       a vpblendd gather the inputs (laid out once per call so that each 128-bit lane finds its 32
 //       inputs in two registers), vpmaddubsw (|w| by the inputs carrying w's sign) and vpmaddwd sum four
-//       products per int32 lane, then float32 times (weight scale x input scale).
+//       products per int32 lane, then float32 times (weight scale x input scale). Codes and meta are
+//       prefetched 64 steps ahead.
 //     - AVX2 float32 (other group sizes that are multiples of 8), 2:4: the inputs stay in float32; 8 codes
 //       are widened, scaled, and meet the inputs picked by two vpermps and a blend in an FMA.
 //     - Scalar: any N:M, any group size: exact float32 arithmetic, not fast.
@@ -267,11 +268,18 @@ TARGET_AVX2 inline __m256i avx2q_indices(const uint8_t* meta, const Avx2qLayout&
   }
 }
 
+// TB tokens' float32 accumulators, carried by value (the compiler keeps them in registers).
+template <int TB>
+struct Avx2qAcc {
+  __m256 v[TB];
+};
+
 // One step (32 kept values, in ORDER) against TB tokens: `aw` = |codes|, `w` the codes, idx their inputs'
 // byte indices, sw the weight scale of each int32 lane, xl / xsl the step's inputs and scales.
 template <int TB, int ORDER>
-TARGET_AVX2 inline void avx2q_step(__m256* acc, const __m256i aw, const __m256i w, const __m256i idx, const __m256 sw,
-                                   const int8_t* xl, const float* xsl, int64_t Kp, int64_t xs_stride) {
+TARGET_AVX2 inline Avx2qAcc<TB> avx2q_step(Avx2qAcc<TB> acc, const __m256i aw, const __m256i w, const __m256i idx,
+                                           const __m256 sw, const int8_t* xl, const float* xsl, int64_t Kp,
+                                           int64_t xs_stride) {
   // the second load's inputs: kInOrder kept 8-15 and 24-31 (dwords 2, 3, 6, 7), kByField bytes 4-7 of each qword
   constexpr int kSecond = ORDER == kInOrder ? 0xCC : 0xAA;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -282,8 +290,10 @@ TARGET_AVX2 inline void avx2q_step(__m256* acc, const __m256i aw, const __m256i 
         _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)), idx), kSecond);
     // |w| x (g with w's sign): 2 x 128 x 127 at most per 16-bit pair, no saturation
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(g, w)), ones);
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(xsl + t * xs_stride)), acc[t]);
+    acc.v[t] =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(xsl + t * xs_stride)), acc.v[t]);
   }
+  return acc;
 }
 
 // The weight scales of a step's 8 int32 lanes in ORDER (s: the step's first scale; GS 8, 16, or 0 for a
@@ -308,17 +318,30 @@ TARGET_AVX2 inline __m256 avx2q_scales(const c10::Half* s) {
   }
 }
 
+template <int TB, int BITS, int GS, int ORDER>
+TARGET_AVX2 inline Avx2qAcc<TB> avx2q_row_step(Avx2qAcc<TB> acc, const uint8_t* codes, const uint8_t* meta,
+                                               const c10::Half* scales, const int8_t* xl, const float* xsl, int64_t Kp,
+                                               const Avx2qLayout& layout) {
+  const __m256i w = avx2q_codes<BITS, ORDER>(codes, layout);
+  return avx2q_step<TB, ORDER>(acc, _mm256_abs_epi8(w), w, avx2q_indices<ORDER>(meta, layout),
+                               avx2q_scales<GS, ORDER>(scales), xl, xsl, Kp, Kp / 8);
+}
+
+// How many steps ahead of the one it reads a row pass prefetches its codes and meta (from the next rows near the
+// row's end): 64 steps of 2-3 ns cover a read from memory.
+constexpr int64_t kAvx2qPrefetchSteps = 64;
+
 // One row against TB tokens (kept: a multiple of 8; the last step may hold fewer than 32 kept values: its codes,
 // meta and scales are read through zero-filled copies, and zero codes add nothing). Even and odd steps add into
-// two sets of accumulators (two chains of FMAs, held in registers), summed at the end; the step's scales advance
-// by a pointer (no division per step).
+// two sets of accumulators (two chains of FMAs, carried by value: held in registers), summed at the end; the
+// step's scales advance by a pointer (no division per step). Inlined into its callers, which loop over rows.
 template <int TB, int BITS, int GS, int ORDER>
-TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const uint8_t* meta_row, int64_t kept,
-                                     int64_t gs, const int8_t* xl, const float* xsl, int64_t Kp,
-                                     const Avx2qLayout& layout, float* acc_out) {
-  __m256 even[TB], odd[TB];
-  for (int t = 0; t < TB; ++t) even[t] = odd[t] = _mm256_setzero_ps();
-  const int64_t xs_stride = Kp / 8;
+TARGET_AVX2 __attribute__((always_inline)) inline void row24q_avx2q(const uint8_t* q, const c10::Half* s,
+                                                                    const uint8_t* meta_row, int64_t kept, int64_t gs,
+                                                                    const int8_t* xl, const float* xsl, int64_t Kp,
+                                                                    const Avx2qLayout& layout, float* acc_out) {
+  Avx2qAcc<TB> even, odd;
+  for (int t = 0; t < TB; ++t) even.v[t] = odd.v[t] = _mm256_setzero_ps();
   constexpr int64_t kBytes = BITS * 4;  // code bytes per step
   const int64_t full = kept / 32;
   // GS 0 (a multiple of 32): one scale per steps_per_scale steps; GS 8, 16: 32 / GS scales per step
@@ -335,21 +358,21 @@ TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const
       sc += 32 / GS;
     }
   };
-  const auto step = [&](const uint8_t* codes, const uint8_t* meta, const c10::Half* scales, int64_t st,
-                        __m256* acc) TARGET_AVX2 {
-    const __m256i w = avx2q_codes<BITS, ORDER>(codes, layout);
-    avx2q_step<TB, ORDER>(acc, _mm256_abs_epi8(w), w, avx2q_indices<ORDER>(meta, layout),
-                          avx2q_scales<GS, ORDER>(scales), xl + 64 * st, xsl + 8 * st, Kp, xs_stride);
-  };
   int64_t st = 0;
   for (; st + 2 <= full; st += 2) {
-    step(q + st * kBytes, meta_row + 8 * st, sc, st, even);
+    // one line of int8 codes per two steps (int4: half a line), a quarter line of meta
+    _mm_prefetch(reinterpret_cast<const char*>(q + (st + kAvx2qPrefetchSteps) * kBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(meta_row + 8 * (st + kAvx2qPrefetchSteps)), _MM_HINT_T0);
+    even = avx2q_row_step<TB, BITS, GS, ORDER>(even, q + st * kBytes, meta_row + 8 * st, sc, xl + 64 * st,
+                                               xsl + 8 * st, Kp, layout);
     next_scale();
-    step(q + (st + 1) * kBytes, meta_row + 8 * (st + 1), sc, st + 1, odd);
+    odd = avx2q_row_step<TB, BITS, GS, ORDER>(odd, q + (st + 1) * kBytes, meta_row + 8 * (st + 1), sc,
+                                              xl + 64 * (st + 1), xsl + 8 * (st + 1), Kp, layout);
     next_scale();
   }
   if (st < full) {
-    step(q + st * kBytes, meta_row + 8 * st, sc, st, even);
+    even = avx2q_row_step<TB, BITS, GS, ORDER>(even, q + st * kBytes, meta_row + 8 * st, sc, xl + 64 * st,
+                                               xsl + 8 * st, Kp, layout);
     next_scale();
   }
   const int64_t rest = kept - 32 * full;
@@ -360,9 +383,10 @@ TARGET_AVX2 inline void row24q_avx2q(const uint8_t* q, const c10::Half* s, const
     std::memcpy(qt, q + full * kBytes, rest * BITS / 8);
     std::memcpy(mt, meta_row + 8 * full, rest / 4);
     std::memcpy(st_scales, sc, (GS == 0 ? 1 : rest / GS) * sizeof(c10::Half));
-    step(qt, mt, st_scales, full, full % 2 ? odd : even);
+    Avx2qAcc<TB>& acc = full % 2 ? odd : even;
+    acc = avx2q_row_step<TB, BITS, GS, ORDER>(acc, qt, mt, st_scales, xl + 64 * full, xsl + 8 * full, Kp, layout);
   }
-  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(even[t], odd[t]));
+  for (int t = 0; t < TB; ++t) acc_out[t] = hsum8(_mm256_add_ps(even.v[t], odd.v[t]));
 }
 
 // One row against TB tokens (passes of several tokens: one call per row and up to 4 tokens).
