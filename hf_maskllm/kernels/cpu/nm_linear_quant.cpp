@@ -318,6 +318,7 @@ TARGET_AVX2 inline __m256 avx2q_scales(const c10::Half* s) {
   }
 }
 
+// One step of a row: its codes (BITS), meta and scales (GS) decoded in ORDER, against TB tokens' inputs.
 template <int TB, int BITS, int GS, int ORDER>
 TARGET_AVX2 inline Avx2qAcc<TB> avx2q_row_step(Avx2qAcc<TB> acc, const uint8_t* codes, const uint8_t* meta,
                                                const c10::Half* scales, const int8_t* xl, const float* xsl, int64_t Kp,
